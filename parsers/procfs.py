@@ -1,0 +1,108 @@
+"""Parsers for /proc files: text or bytes in, data out (no I/O).
+
+Tested against files captured from real processes in tests/data/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# Linux capability numbers (include/uapi/linux/capability.h).
+CAP_SYS_ADMIN = 21
+CAP_SYS_PTRACE = 19
+CAP_PERFMON = 38
+CAP_BPF = 39
+CAPABILITY_NAMES = {
+    CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
+    CAP_SYS_ADMIN: "CAP_SYS_ADMIN",
+    CAP_PERFMON: "CAP_PERFMON",
+    CAP_BPF: "CAP_BPF",
+}
+
+
+@dataclass(frozen=True)
+class MappedFile:
+    path: str
+    start_address: int
+    offset_bytes: int
+    executable: bool
+
+
+def parse_maps(text: str) -> list[MappedFile]:
+    """File-backed mappings of /proc/PID/maps, in file order (anonymous ones dropped)."""
+    mappings = []
+    for line in text.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/"):
+            continue
+        start = int(parts[0].split("-", 1)[0], 16)
+        path = parts[5]
+        # A file deleted or replaced since it was mapped (e.g. a reinstall under a
+        # running job) shows " (deleted)"; the mapping is still probe-able through
+        # /proc/PID/map_files but not through its path, so keep the marker visible.
+        mappings.append(MappedFile(path, start, int(parts[2], 16), "x" in parts[1]))
+    return mappings
+
+
+def mapped_library(mappings: Iterable[MappedFile], basename_prefix: str) -> str | None:
+    """Path of the first mapped file whose basename starts with the prefix (e.g. 'libtorch_cpu')."""
+    for m in mappings:
+        if m.path.rsplit("/", 1)[-1].startswith(basename_prefix):
+            return m.path
+    return None
+
+
+def parse_environ(data: bytes, wanted: Iterable[str]) -> dict[str, str]:
+    """Only the wanted variables of /proc/PID/environ (NUL-separated).
+
+    Everything else is dropped here, at the first place it is seen, because a
+    training job's environment often holds credentials.
+    """
+    keep = set(wanted)
+    found: dict[str, str] = {}
+    for entry in data.split(b"\0"):
+        key, sep, value = entry.partition(b"=")
+        if sep and key.decode("utf-8", "replace") in keep:
+            found[key.decode()] = value.decode("utf-8", "replace")
+    return found
+
+
+def parse_cmdline(data: bytes) -> list[str]:
+    """argv from /proc/PID/cmdline."""
+    if not data:
+        return []  # kernel threads and zombies have an empty cmdline
+    return [a.decode("utf-8", "replace") for a in data.rstrip(b"\0").split(b"\0")]
+
+
+@dataclass(frozen=True)
+class ProcStatus:
+    name: str
+    effective_capabilities: int
+    rss_bytes: int | None
+    peak_rss_bytes: int | None
+
+
+def parse_status(text: str) -> ProcStatus:
+    """The few fields of /proc/PID/status the agent uses."""
+    fields = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key] = value.strip()
+
+    def kib(key: str) -> int | None:
+        value = fields.get(key)
+        return int(value.split()[0]) * 1024 if value else None
+
+    return ProcStatus(
+        name=fields.get("Name", ""),
+        effective_capabilities=int(fields.get("CapEff", "0"), 16),
+        rss_bytes=kib("VmRSS"),
+        peak_rss_bytes=kib("VmHWM"),
+    )
+
+
+def missing_capabilities(effective: int, needed: Iterable[int]) -> list[str]:
+    """Names of the needed capabilities absent from an effective set."""
+    return [CAPABILITY_NAMES.get(c, f"CAP_{c}") for c in needed if not effective >> c & 1]

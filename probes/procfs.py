@@ -1,0 +1,203 @@
+"""The target processes: who they are, what they loaded, and their memory.
+
+Measures: identity and loaded libraries of a training process (from
+/proc/PID/{maps,cmdline,environ,status}) and its resident memory (psutil and
+/proc/PID/status), sampled at 1 Hz by default. Cost: a few /proc reads per
+sample. Needs: read access to the target's /proc files, which for another
+user's process means root or CAP_SYS_PTRACE. Linux only.
+
+Only the environment variables in ENVIRON_KEYS are ever read from a target;
+the rest of its environment (which may hold secrets) is dropped while parsing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import psutil
+
+from perfmon.parsers import procfs
+from perfmon.probes.errors import NoSuchProcess, PrivilegeError, UnsuitableTarget
+from perfmon.probes.sampler import Sampler, monotonic_ns
+
+ENVIRON_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")
+TORCH_LIBRARY_PREFIX = "libtorch_cpu"
+_PYTHON_EXE = re.compile(r"^(python|pypy)[0-9.]*[a-z]*$")
+
+
+@dataclass(frozen=True)
+class TargetProcess:
+    pid: int
+    name: str
+    cmdline: list[str]
+    environ: dict[str, str]
+    torch_library: str  # path as the target sees it (inside its mount namespace)
+    create_time: float
+
+    @property
+    def torch_library_host_path(self) -> str:
+        """The library reached through /proc/PID/root, so containers work too."""
+        return f"/proc/{self.pid}/root{self.torch_library}"
+
+    @property
+    def rank(self) -> int | None:
+        value = self.environ.get("RANK")
+        return int(value) if value and value.isdigit() else None
+
+
+def _read(pid: int, name: str, binary: bool = False) -> str | bytes:
+    path = f"/proc/{pid}/{name}"
+    try:
+        with open(path, "rb" if binary else "r") as f:
+            return f.read()
+    except FileNotFoundError as err:
+        raise NoSuchProcess(f"pid {pid}: no such process") from err
+    except PermissionError as err:
+        raise PrivilegeError(
+            f"pid {pid}: cannot read {path}: run as root or with CAP_SYS_PTRACE"
+        ) from err
+    except ProcessLookupError as err:
+        raise NoSuchProcess(f"pid {pid}: process exited") from err
+
+
+def inspect_process(pid: int) -> TargetProcess:
+    """Identity of one process that must be a Python process with PyTorch loaded.
+
+    Raises NoSuchProcess, PrivilegeError or UnsuitableTarget, each naming the pid.
+    """
+    if pid <= 0:
+        raise NoSuchProcess(f"pid {pid}: not a valid process id")
+    try:
+        proc = psutil.Process(pid)
+        name, create_time = proc.name(), proc.create_time()
+    except psutil.NoSuchProcess as err:
+        raise NoSuchProcess(f"pid {pid}: no such process") from err
+    except psutil.AccessDenied as err:
+        raise PrivilegeError(f"pid {pid}: access denied: run as root") from err
+    cmdline = procfs.parse_cmdline(_read(pid, "cmdline", binary=True))  # type: ignore[arg-type]
+    mappings = procfs.parse_maps(_read(pid, "maps"))  # type: ignore[arg-type]
+    exe = os.path.basename(cmdline[0]) if cmdline else name
+    is_python = (
+        _PYTHON_EXE.match(name) is not None
+        or _PYTHON_EXE.match(exe) is not None
+        or procfs.mapped_library(mappings, "libpython") is not None
+    )
+    if not is_python:
+        raise UnsuitableTarget(f"pid {pid} ({name}): not a Python process")
+    torch_library = procfs.mapped_library(mappings, TORCH_LIBRARY_PREFIX)
+    if torch_library is None:
+        raise UnsuitableTarget(
+            f"pid {pid} ({name}): PyTorch is not loaded "
+            f"(no {TORCH_LIBRARY_PREFIX}.so in /proc/{pid}/maps)"
+        )
+    environ = procfs.parse_environ(
+        _read(pid, "environ", binary=True), ENVIRON_KEYS  # type: ignore[arg-type]
+    )
+    return TargetProcess(pid, name, cmdline, environ, torch_library, create_time)
+
+
+def resolve_targets(pid: int) -> list[TargetProcess]:
+    """The training processes behind a pid, ordered by rank.
+
+    A launcher (torchrun, deepspeed, mpirun: a process whose children carry a
+    RANK variable it lacks itself) expands to the topmost descendants that have
+    RANK; DataLoader workers, which inherit RANK from their rank, are skipped
+    that way. Any other pid must itself be a PyTorch process.
+    """
+    try:
+        root = psutil.Process(pid)
+        children = root.children(recursive=True)
+    except psutil.NoSuchProcess as err:
+        raise NoSuchProcess(f"pid {pid}: no such process") from err
+    except psutil.AccessDenied as err:
+        raise PrivilegeError(f"pid {pid}: access denied: run as root") from err
+    root_env = _rank_environ(pid)
+    if "RANK" not in root_env and children:
+        with_rank = {c.pid for c in children if "RANK" in _rank_environ(c.pid)}
+        ranks = []
+        for child in children:
+            if child.pid in with_rank and _safe_ppid(child) not in with_rank:
+                try:
+                    ranks.append(inspect_process(child.pid))
+                except (NoSuchProcess, UnsuitableTarget):
+                    continue  # a helper process of the launcher, not a rank
+        if ranks:
+            return sorted(ranks, key=lambda t: (t.rank is None, t.rank, t.pid))
+    return [inspect_process(pid)]
+
+
+def _rank_environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return procfs.parse_environ(f.read(), ("RANK",))
+    except OSError:
+        return {}
+
+
+def _safe_ppid(proc: psutil.Process) -> int | None:
+    try:
+        return proc.ppid()
+    except psutil.Error:
+        return None
+
+
+def is_running(target: TargetProcess) -> bool:
+    """True while the same process (pid and start time) is alive and not a zombie."""
+    try:
+        proc = psutil.Process(target.pid)
+        return proc.create_time() == target.create_time and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def agent_capabilities() -> int:
+    """The effective capability set of this agent process."""
+    with open("/proc/self/status") as f:
+        return procfs.parse_status(f.read()).effective_capabilities
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    t_mono_ns: int
+    pid: int
+    rss_bytes: int
+    peak_rss_bytes: int | None  # VmHWM: the process's lifetime peak RSS
+
+
+class MemorySampler(Sampler[MemorySample]):
+    """Resident memory of each target, every ``interval_s`` (drift-free schedule)."""
+
+    def __init__(self, pids: list[int], interval_s: float = 1.0) -> None:
+        super().__init__()
+        self.pids = pids
+        self.interval_ns = int(interval_s * 1e9)
+        self.errors = 0  # reads that failed because a target exited: data, not failure
+        self._start_ns = 0
+        self._next_ns = 0
+
+    def _start(self) -> None:
+        self._start_ns = self._next_ns = monotonic_ns()
+
+    def _poll(self) -> list[MemorySample]:
+        now = monotonic_ns()
+        if now < self._next_ns:
+            return []
+        # Drift-free: next = start + k * interval, skipping slots missed while busy.
+        k = (now - self._start_ns) // self.interval_ns + 1
+        self._next_ns = self._start_ns + k * self.interval_ns
+        samples = []
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    status = procfs.parse_status(f.read())
+            except OSError:
+                self.errors += 1
+                continue
+            if status.rss_bytes is not None:
+                samples.append(MemorySample(now, pid, status.rss_bytes, status.peak_rss_bytes))
+        return samples
+
+    def _close(self) -> None:
+        pass

@@ -1,0 +1,242 @@
+"""Training-step markers from eBPF uprobes (bcc) in a process's libtorch_cpu.so.
+
+Measures: the exact CLOCK_MONOTONIC time of every ``Optimizer.step``,
+``Optimizer.zero_grad`` and DataLoader ``__next__`` entry (PyTorch wraps each
+in a ``record_function`` block, whose C++ entry point we probe) and of every
+``torch::autograd::Engine::execute`` entry and exit (one per ``backward()``).
+
+Cost: one uprobe trap per ``record_function`` entry and per ``backward()`` in
+the target, i.e. a handful per training step (a few microseconds each); names
+that do not mark a step are rejected in the kernel after one 24-byte read.
+Set-up: ~0.5 s of BPF compilation.
+
+Needs: root, or CAP_BPF + CAP_PERFMON (Linux >= 5.8) or CAP_SYS_ADMIN; bcc's
+Python module (Debian ``python3-bpfcc``); kernel headers for the running
+kernel (``/lib/modules/$(uname -r)/build``, ``$BCC_KERNEL_SOURCE`` or
+``/sys/kernel/kheaders.tar.xz``); a PyTorch whose libtorch_cpu.so exports
+``record_function_enter_new`` (1.13+) or ``record_function_enter``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from perfmon.parsers.elf_symbols import ElfError, find_function_symbols
+from perfmon.parsers.events import MARKER_KINDS
+from perfmon.parsers.procfs import CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN, missing_capabilities
+from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError, SymbolNotFound
+from perfmon.probes.procfs import TargetProcess, agent_capabilities
+from perfmon.probes.sampler import Sampler
+
+# Mangled-name prefixes: the full names differ across releases (c10::optional
+# before 2.4, std::optional after), so match the stable part.
+RECORD_FUNCTION_SYMBOLS = (
+    "_ZN5torch8autograd8profiler25record_function_enter_new",  # PyTorch >= 1.13
+    "_ZN5torch8autograd8profiler21record_function_enterE",  # older
+)
+ENGINE_EXECUTE_SYMBOL = "_ZN5torch8autograd6Engine7executeE"
+
+# record_function names that mark a step, and the BPF event kind of each
+# (kind numbers index MARKER_KINDS from 1, as in iterations.bpf.c).
+STEP_NAME_PREFIXES = {
+    "Optimizer.step#": "optimizer_step",
+    "Optimizer.zero_grad#": "zero_grad",
+    "enumerate(DataLoader)#": "dataloader_next",
+}
+_NAME_LEN = 64
+_PREFIX_WORDS = 3
+_MAX_PREFIXES = 4
+
+
+@dataclass(frozen=True)
+class MarkerEvent:
+    t_mono_ns: int
+    pid: int
+    tid: int
+    kind: str  # one of MARKER_KINDS
+    name: str
+
+
+def kernel_headers_dir() -> str | None:
+    """Where bcc will find kernel headers, or None when it will find none."""
+    candidates = [
+        os.environ.get("BCC_KERNEL_SOURCE", ""),
+        f"/lib/modules/{os.uname().release}/build",
+    ]
+    for path in candidates:
+        if path and os.path.isdir(os.path.join(path, "include")):
+            return path
+    if "BCC_KERNEL_SOURCE" not in os.environ and os.path.exists("/sys/kernel/kheaders.tar.xz"):
+        return "/sys/kernel/kheaders.tar.xz"
+    return None
+
+
+def check_ebpf_prerequisites() -> None:
+    """Raise PrivilegeError or PrerequisiteMissing naming what the host lacks."""
+    caps = agent_capabilities()
+    if not (caps >> CAP_SYS_ADMIN & 1):
+        missing = missing_capabilities(caps, (CAP_BPF, CAP_PERFMON))
+        if missing:
+            raise PrivilegeError(
+                f"pid {os.getpid()} (perfmon-agent): missing capabilities {', '.join(missing)} "
+                "for eBPF uprobes: run as root, or grant CAP_BPF and CAP_PERFMON"
+            )
+    try:
+        import bcc  # noqa: F401
+    except ImportError as err:
+        raise PrerequisiteMissing(
+            f"pid {os.getpid()} (perfmon-agent): the bcc Python module is missing: "
+            "apt-get install python3-bpfcc (and use a virtualenv made with "
+            "--system-site-packages)"
+        ) from err
+    if kernel_headers_dir() is None:
+        release = os.uname().release
+        raise PrerequisiteMissing(
+            f"pid {os.getpid()} (perfmon-agent): no kernel headers for {release}: "
+            f"apt-get install linux-headers-{release} (or point BCC_KERNEL_SOURCE at a "
+            "headers tree; `make setup` links Debian's linux-headers-amd64 when the "
+            "running kernel has no package)"
+        )
+
+
+def _find_symbols(target: TargetProcess) -> tuple[list[str], list[str]]:
+    path = target.torch_library_host_path
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as buf:
+            found = find_function_symbols(buf, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL))
+    except (OSError, ElfError) as err:
+        raise SymbolNotFound(
+            f"pid {target.pid} ({target.name}): cannot read symbols of {target.torch_library}: "
+            f"{err}"
+        ) from err
+    record = next((found[p] for p in RECORD_FUNCTION_SYMBOLS if found[p]), [])
+    if not record:
+        raise SymbolNotFound(
+            f"pid {target.pid} ({target.name}): {target.torch_library} exports no "
+            "torch::autograd::profiler::record_function_enter_new or record_function_enter "
+            "(a PyTorch older than 1.8, or a build with hidden symbols); use --iteration-source pyspy"
+        )
+    return [s.name for s in record], [s.name for s in found[ENGINE_EXECUTE_SYMBOL]]
+
+
+class MarkerProbe(Sampler[MarkerEvent]):
+    """Uprobes on the step markers of one or more PyTorch processes.
+
+    ``poll()`` returns the markers delivered since the last call without
+    blocking; ``dropped`` counts events the kernel could not deliver because
+    the ring buffer was full. ``warnings`` lists degraded features (e.g. no
+    backward probe, hence no micro-batch count).
+    """
+
+    def __init__(self, targets: list[TargetProcess]) -> None:
+        super().__init__()
+        self.targets = targets
+        self.dropped = 0
+        self.warnings: list[str] = []
+        self._bpf: Any = None
+        self._pending: list[MarkerEvent] = []
+
+    def _start(self) -> None:
+        check_ebpf_prerequisites()
+        from bcc import BPF
+
+        symbols = {t.pid: _find_symbols(t) for t in self.targets}
+        source = resources.files("perfmon.probes").joinpath("bpf/iterations.bpf.c").read_bytes()
+        cflags = [
+            f"-DNAME_LEN={_NAME_LEN}",
+            f"-DPREFIX_WORDS={_PREFIX_WORDS}",
+            f"-DMAX_PREFIXES={_MAX_PREFIXES}",
+        ]
+        try:
+            self._bpf = BPF(text=source, cflags=cflags)
+        except Exception as err:  # bcc raises bare Exception on compile failure
+            raise PrerequisiteMissing(
+                f"pid {os.getpid()} (perfmon-agent): BPF program failed to compile "
+                f"(kernel headers at {kernel_headers_dir()}): {err}"
+            ) from err
+        self._fill_prefix_table()
+        try:
+            for target in self.targets:
+                self._attach(target, *symbols[target.pid])
+        except Exception:
+            self._close()
+            raise
+        self._bpf["events"].open_ring_buffer(self._on_event)
+
+    def _attach(self, target: TargetProcess, record: list[str], engine: list[str]) -> None:
+        lib = target.torch_library_host_path.encode()
+        attached = 0
+        for sym in record:
+            try:
+                self._bpf.attach_uprobe(
+                    name=lib, sym=sym.encode(), fn_name=b"on_record_function_enter", pid=target.pid
+                )
+                attached += 1
+            except Exception as err:  # bcc raises bare Exception on attach failure
+                raise PrerequisiteMissing(
+                    f"pid {target.pid} ({target.name}): cannot attach uprobe to {sym}: {err}"
+                ) from err
+        for sym in engine:
+            self._bpf.attach_uprobe(
+                name=lib, sym=sym.encode(), fn_name=b"on_backward_enter", pid=target.pid
+            )
+            self._bpf.attach_uretprobe(
+                name=lib, sym=sym.encode(), fn_name=b"on_backward_exit", pid=target.pid
+            )
+        if not engine:
+            self.warnings.append(
+                f"pid {target.pid} ({target.name}): {target.torch_library} exports no "
+                "torch::autograd::Engine::execute: micro-batches per step are not counted"
+            )
+
+    def _fill_prefix_table(self) -> None:
+        table = self._bpf["prefixes"]
+        for index, (prefix, kind) in enumerate(STEP_NAME_PREFIXES.items()):
+            raw = prefix.encode().ljust(_PREFIX_WORDS * 8, b"\0")
+            entry = table.Leaf()
+            for w in range(_PREFIX_WORDS):
+                chunk = raw[w * 8 : w * 8 + 8]
+                significant = max(0, min(8, len(prefix) - w * 8))
+                entry.word[w] = int.from_bytes(chunk, "little")
+                entry.mask[w] = (1 << (8 * significant)) - 1
+            entry.kind = MARKER_KINDS.index(kind) + 1
+            table[ctypes.c_int(index)] = entry
+
+    def _on_event(self, _ctx: Any, data: Any, _size: int) -> None:
+        ev = self._bpf["events"].event(data)
+        self._pending.append(
+            MarkerEvent(
+                t_mono_ns=ev.t_mono_ns,
+                pid=ev.pid,
+                tid=ev.tid,
+                kind=MARKER_KINDS[ev.kind - 1],
+                name=ev.name.decode("utf-8", "replace"),
+            )
+        )
+
+    def _poll(self) -> list[MarkerEvent]:
+        self._bpf.ring_buffer_consume()
+        dropped = self._bpf["dropped"][ctypes.c_int(0)].value
+        self.dropped = int(dropped)
+        events, self._pending = self._pending, []
+        return events
+
+    def _close(self) -> None:
+        if self._bpf is None:
+            return
+        from bcc import lib
+
+        # Closing the perf event fd detaches the uprobe. bcc 0.26's own
+        # detach_uprobe_event then also writes to tracefs' uprobe_events, which
+        # fails (and raises) where probes were attached through the perf uprobe
+        # PMU and tracefs is not mounted, so close the fds here first.
+        for ev_name, fd in list(self._bpf.uprobe_fds.items()):
+            lib.bpf_close_perf_event_fd(fd)
+            self._bpf._del_uprobe_fd(ev_name)
+        self._bpf.cleanup()
+        self._bpf = None
