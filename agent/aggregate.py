@@ -114,6 +114,8 @@ class StepAggregator:
     iteration_logs: list[dict[str, Any]] = field(default_factory=list)
     iterations_ended: int = 0
     lost_events: int = 0
+    end_t_mono_ns: int | None = None
+    end_reason: str | None = None
     # Whole-run state kept compact (8 bytes an iteration) for week-long jobs.
     _step_ns: array = field(default_factory=lambda: array("q"))
     _microbatches: array = field(default_factory=lambda: array("q"))
@@ -141,6 +143,8 @@ class StepAggregator:
             )
         elif kind == "lost":
             self.lost_events += record["count"]
+        elif kind == "session_end":
+            self.end_t_mono_ns, self.end_reason = record["t_mono_ns"], record["reason"]
         return []
 
     def _on_marker(self, marker: str, t_ns: int) -> list[dict[str, Any]]:

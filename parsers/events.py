@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
-
 from perfmon.parsers.errors import EventLogError
 
 MARKER_KINDS = (
@@ -46,7 +45,9 @@ def decode_event_log(data: bytes, source: str) -> tuple[list[dict[str, Any]], bo
             records.append(record)
             consumed = unpacker.tell()
     except (msgpack.UnpackException, ValueError) as err:
-        raise EventLogError(f"{source}: corrupt event log after record {len(records)}: {err}") from err
+        raise EventLogError(
+            f"{source}: corrupt event log after record {len(records)}: {err}"
+        ) from err
     if not records or records[0]["type"] != "session_start":
         raise EventLogError(f"{source}: not a perfmon event log (no session_start record)")
     return records, consumed < len(data)

@@ -17,7 +17,6 @@ import re
 from dataclasses import dataclass
 
 import psutil
-
 from perfmon.parsers import procfs
 from perfmon.probes.errors import NoSuchProcess, PrivilegeError, UnsuitableTarget
 from perfmon.probes.sampler import Sampler, monotonic_ns
@@ -101,31 +100,52 @@ def inspect_process(pid: int) -> TargetProcess:
 def resolve_targets(pid: int) -> list[TargetProcess]:
     """The training processes behind a pid, ordered by rank.
 
-    A launcher (torchrun, deepspeed, mpirun: a process whose children carry a
-    RANK variable it lacks itself) expands to the topmost descendants that have
-    RANK; DataLoader workers, which inherit RANK from their rank, are skipped
-    that way. Any other pid must itself be a PyTorch process.
+    - A launcher (torchrun, deepspeed, mpirun: a process whose descendants carry
+      a RANK variable it lacks itself) expands to the topmost descendants with
+      RANK. DataLoader workers, which inherit RANK from their rank, are skipped.
+    - A PyTorch process is itself the target.
+    - Anything else (a shell wrapper, srun) expands to its topmost descendants
+      that have PyTorch loaded; with none, the pid's own error is raised.
     """
     try:
-        root = psutil.Process(pid)
-        children = root.children(recursive=True)
+        children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess as err:
         raise NoSuchProcess(f"pid {pid}: no such process") from err
     except psutil.AccessDenied as err:
         raise PrivilegeError(f"pid {pid}: access denied: run as root") from err
-    root_env = _rank_environ(pid)
-    if "RANK" not in root_env and children:
+    if "RANK" not in _rank_environ(pid):
         with_rank = {c.pid for c in children if "RANK" in _rank_environ(c.pid)}
-        ranks = []
-        for child in children:
-            if child.pid in with_rank and _safe_ppid(child) not in with_rank:
-                try:
-                    ranks.append(inspect_process(child.pid))
-                except (NoSuchProcess, UnsuitableTarget):
-                    continue  # a helper process of the launcher, not a rank
+        ranks = _topmost(children, with_rank)
         if ranks:
-            return sorted(ranks, key=lambda t: (t.rank is None, t.rank, t.pid))
-    return [inspect_process(pid)]
+            return ranks
+    try:
+        return [inspect_process(pid)]
+    except UnsuitableTarget:
+        torch_children = _topmost(children, {c.pid for c in children})
+        if torch_children:
+            return torch_children
+        raise
+
+
+def _topmost(children: list[psutil.Process], eligible: set[int]) -> list[TargetProcess]:
+    """PyTorch processes among the eligible whose parent is neither eligible nor PyTorch."""
+    found: dict[int, TargetProcess] = {}
+    for child in children:
+        if child.pid not in eligible:
+            continue
+        try:
+            found[child.pid] = inspect_process(child.pid)
+        except (NoSuchProcess, UnsuitableTarget):
+            continue
+    tops = [t for t in found.values() if _ppid(t.pid) not in found]
+    return sorted(tops, key=lambda t: (t.rank is None, t.rank, t.pid))
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return None
 
 
 def _rank_environ(pid: int) -> dict[str, str]:
@@ -134,13 +154,6 @@ def _rank_environ(pid: int) -> dict[str, str]:
             return procfs.parse_environ(f.read(), ("RANK",))
     except OSError:
         return {}
-
-
-def _safe_ppid(proc: psutil.Process) -> int | None:
-    try:
-        return proc.ppid()
-    except psutil.Error:
-        return None
 
 
 def is_running(target: TargetProcess) -> bool:

@@ -119,7 +119,7 @@ def _find_symbols(target: TargetProcess) -> tuple[list[str], list[str]]:
         raise SymbolNotFound(
             f"pid {target.pid} ({target.name}): {target.torch_library} exports no "
             "torch::autograd::profiler::record_function_enter_new or record_function_enter "
-            "(a PyTorch older than 1.8, or a build with hidden symbols); use --iteration-source pyspy"
+            "(a PyTorch older than 1.8, or a build with hidden symbols)"
         )
     return [s.name for s in record], [s.name for s in found[ENGINE_EXECUTE_SYMBOL]]
 

@@ -1,0 +1,87 @@
+# Set-up, demo and tests. Everything here runs as root on a fresh Debian 12
+# machine and is safe to re-run.
+#
+#   make demo   install, start the bundled demo training job, attach for ~20 s
+#   make test   install (with test tools), then ruff, mypy and the whole suite
+
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+KERNEL := $(shell uname -r)
+DEMO_SECONDS ?= 20
+DEMO_OUT ?= outputs/demo
+# The CPU build of PyTorch: a plain `torch` would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+DEB_PACKAGES := bpfcc-tools python3-bpfcc python3-venv python3-dev gcc make libc6-dev
+
+.PHONY: setup setup-system setup-headers setup-venv demo test lint typecheck clean
+
+setup: setup-system setup-headers setup-venv
+
+setup-system:
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+
+# bcc compiles BPF programs against the running kernel's headers. Use the
+# matching package when Debian has one; otherwise (a custom kernel, as on many
+# cloud and container hosts) link Debian's generic amd64 headers into place:
+# uprobe programs only need the common uapi/arch headers.
+setup-headers:
+	@if [ -d /lib/modules/$(KERNEL)/build/include ]; then exit 0; fi; \
+	if apt-cache show linux-headers-$(KERNEL) >/dev/null 2>&1; then \
+	  echo "installing linux-headers-$(KERNEL)"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q linux-headers-$(KERNEL); \
+	else \
+	  echo "no header package for kernel $(KERNEL): linking Debian's linux-headers-amd64"; \
+	  dpkg-query -W -f='$${Status}' linux-headers-amd64 2>/dev/null | grep -q "ok installed" || \
+	    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q linux-headers-amd64; }; \
+	  hdr=$$(ls -d /usr/src/linux-headers-*-amd64 | sort -V | tail -n 1); \
+	  common=$$(ls -d /usr/src/linux-headers-*-common | sort -V | tail -n 1); \
+	  mkdir -p /lib/modules/$(KERNEL); \
+	  ln -sfn "$$hdr" /lib/modules/$(KERNEL)/build; \
+	  ln -sfn "$$common" /lib/modules/$(KERNEL)/source; \
+	  echo "linked /lib/modules/$(KERNEL)/build -> $$hdr"; \
+	fi
+
+# A virtualenv from Debian's python3 with --system-site-packages, so that it
+# sees bcc (python3-bpfcc is not on PyPI).
+$(PY):
+	/usr/bin/python3 -m venv --system-site-packages $(VENV)
+
+setup-venv: $(PY)
+	$(PY) -m pip install -q --upgrade "pip>=23" "setuptools>=68"
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[demo]"
+	@$(PY) -c "import bcc, torch, perfmon.agent" || \
+	  { echo "set-up incomplete: bcc, torch or perfmon.agent does not import"; exit 1; }
+
+demo: setup
+	@mkdir -p $(DEMO_OUT)
+	@set -euo pipefail; \
+	$(PY) tests/targets/train_gpt.py --num-layers 4 --hidden-size 256 --num-attention-heads 8 \
+	  --seq-length 128 --micro-batch-size 4 --grad-accum 2 --vocab-size 1024 \
+	  > $(DEMO_OUT)/train.log 2>&1 & train=$$!; \
+	trap 'kill $$train 2>/dev/null; wait $$train 2>/dev/null' EXIT; \
+	for i in $$(seq 100); do grep -q training $(DEMO_OUT)/train.log 2>/dev/null && break; sleep 0.2; done; \
+	printf 'num_layers: 4\nhidden_size: 256\nnum_attention_heads: 8\nseq_length: 128\nvocab_size: 1024\nmicro_batch_size: 4\nglobal_batch_size: 8\n' > $(DEMO_OUT)/model.yaml; \
+	$(VENV)/bin/perfmon-agent attach --pid $$train --model-config $(DEMO_OUT)/model.yaml \
+	  --duration $(DEMO_SECONDS) --log-interval 20 --output-dir $(DEMO_OUT)
+
+lint:
+	$(VENV)/bin/ruff check .
+
+typecheck:
+	$(VENV)/bin/mypy agent probes parsers
+
+test: setup
+	$(PY) -m pip install -q -e ".[demo,test]"
+	$(MAKE) lint typecheck
+	PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1} $(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) outputs build *.egg-info tests/fakes/build

@@ -1,0 +1,203 @@
+"""perfmon-agent: measure running PyTorch training jobs from outside, with no code change.
+
+Every error the agent knows about is one line on stderr and an exit code
+(see perfmon.parsers.errors); a traceback means a bug in the agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from perfmon.agent.session import AttachOptions, MonitorSession
+from perfmon.agent.summary import summary_from_records, write_json_atomic
+from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.events import decode_event_log
+from rich.console import Console
+from rich.table import Table
+
+PROG = "perfmon-agent"
+
+ATTACH_EPILOG = """examples:
+  sudo perfmon-agent attach --pid 12345 --model-config llama7b.yaml
+  sudo perfmon-agent attach --pid 12345 --duration 60 --json > summary.json
+  sudo perfmon-agent attach --pid $(pgrep -f torchrun) --log-interval 50
+
+The pid may be a training process or a launcher (torchrun, deepspeed): a
+launcher expands to its ranks. Stops when the job exits, on SIGINT/SIGTERM,
+or after --duration; the summary is rewritten atomically as it goes.
+"""
+
+SUMMARIZE_EPILOG = """examples:
+  perfmon-agent summarize outputs/logs/perf_monitor/perf_events_20261130_120000.msgpack
+  perfmon-agent summarize events.msgpack --json | jq .final_statistics
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Measure running PyTorch/Megatron/FlagScale training jobs from outside.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    attach = sub.add_parser(
+        "attach",
+        help="monitor a running training job and write its perf summary",
+        description="Attach to a running PyTorch job with eBPF uprobes and write "
+        "perf_summary_<timestamp>.json (FlagScale perf monitor format).",
+        epilog=ATTACH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    attach.add_argument("--pid", type=int, required=True, help="training (or launcher) pid")
+    attach.add_argument("--model-config", metavar="FILE", help="model dimensions, YAML or JSON")
+    attach.add_argument("--model-preset", metavar="NAME", help="a well-known model shape")
+    attach.add_argument(
+        "--output-dir", type=Path, default=Path("outputs/logs/perf_monitor"),
+        help="where the summary and event log go (default: %(default)s)",
+    )
+    attach.add_argument(
+        "--log-interval", type=_positive_int, default=10, metavar="N",
+        help="iterations per iteration_logs entry (default: %(default)s)",
+    )
+    attach.add_argument(
+        "--duration", type=_positive_float, metavar="SECONDS",
+        help="stop after this long (default: until the job exits or SIGINT/SIGTERM)",
+    )
+    attach.add_argument(
+        "--peak-tflops", type=_positive_float, metavar="TFLOPS",
+        help="dense peak per GPU for MFU (default: from the device table; none on CPU)",
+    )
+    attach.add_argument("--json", action="store_true", help="print the final summary to stdout")
+
+    summarize = sub.add_parser(
+        "summarize",
+        help="rebuild a perf summary from an event log",
+        description="Rebuild the summary from perf_events_<timestamp>.msgpack, e.g. "
+        "after the agent was killed.",
+        epilog=SUMMARIZE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    summarize.add_argument("event_log", type=Path, metavar="FILE.msgpack")
+    summarize.add_argument(
+        "--output", type=Path, metavar="FILE",
+        help="where to write the summary (default: perf_summary_<ts>.json beside the log)",
+    )
+    summarize.add_argument("--json", action="store_true", help="print the summary to stdout")
+    return parser
+
+
+def _fmt(value: Any, spec: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def progress_line(entry: dict[str, Any]) -> str:
+    return (
+        f"iter {entry['iteration']:>6} | step {_fmt(entry['step_time_ms'], '.2f', ' ms')} | "
+        f"{_fmt(entry['tokens_per_sec'], ',.0f', ' tok/s')} | "
+        f"{_fmt(entry['TFLOPS_per_GPU'], '.2f', ' TFLOPS/GPU')} | "
+        f"mem {_fmt(entry['memory_GB'], '.2f', ' GB')}"
+    )
+
+
+def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -> None:
+    info, stats = summary["session_info"], summary["final_statistics"]
+    table = Table(title=f"perf summary: pid {info['pid']} ({info['total_iterations']} iterations)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("avg step time", _fmt(stats["avg_step_time_ms"], ".2f", " ms")),
+        ("p50 / p90 / p99 step",
+         " / ".join(_fmt(stats[k], ".2f") for k in
+                    ("p50_step_time_ms", "p90_step_time_ms", "p99_step_time_ms")) + " ms"),
+        ("tokens/s", _fmt(stats["avg_tokens_per_sec"], ",.0f")),
+        ("samples/s", _fmt(stats["avg_samples_per_sec"], ",.2f")),
+        ("TFLOPS per GPU", _fmt(stats["avg_tflops_per_gpu"], ".3f")),
+        ("MFU", _fmt(stats["mfu"], ".1%")),
+        ("micro-batches per step", _fmt(stats["microbatches_per_step"], "d")),
+        ("peak memory", _fmt(stats["peak_memory_gb"], ".2f", " GB")),
+        ("model source", str(info["model"].get("source", "none"))),
+        ("ended", str(info["end_reason"])),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    console.print(f"summary: {path}")
+
+
+def _attach(args: argparse.Namespace) -> int:
+    # With --json, stdout carries only the summary; the progress goes to stderr.
+    console = Console(stderr=args.json, highlight=False)
+    options = AttachOptions(
+        pid=args.pid, model_config=args.model_config, model_preset=args.model_preset,
+        output_dir=args.output_dir, log_interval=args.log_interval, duration_s=args.duration,
+        peak_tflops=args.peak_tflops,
+    )
+    session = MonitorSession(options, lambda entry: console.print(progress_line(entry)))
+    console.print(f"Attaching to pid {args.pid}... Ctrl-C to end.")
+    result = session.run()
+    for warning in result.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result.summary, indent=2))
+    else:
+        print_summary_table(console, result.summary, result.summary_path)
+    return 0
+
+
+def _summarize(args: argparse.Namespace) -> int:
+    try:
+        data = args.event_log.read_bytes()
+    except OSError as err:
+        raise PerfmonError(f"event log {args.event_log}: {err.strerror}") from err
+    records, truncated = decode_event_log(data, str(args.event_log))
+    summary = summary_from_records(records, truncated)
+    stamp = args.event_log.name.removeprefix("perf_events_").removesuffix(".msgpack")
+    output = args.output or args.event_log.with_name(f"perf_summary_{stamp}.json")
+    write_json_atomic(output, summary)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print_summary_table(Console(highlight=False), summary, output)
+    return 0
+
+
+COMMANDS = {"attach": _attach, "summarize": _summarize}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except PerfmonError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Where the model's dimensions and the batch come from, and what one iteration computes.
+
+Sources, earliest wins field by field: ``--model-config FILE``, ``--model-preset
+NAME``, the target's own Megatron/FlagScale-style command line, and a Hugging
+Face ``config.json`` its command line points at (read through
+/proc/PID/root and relative to /proc/PID/cwd, so containers work).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from perfmon.agent.aggregate import Workload
+from perfmon.parsers.errors import ModelConfigError
+from perfmon.parsers.flops import model_flops_per_iteration
+from perfmon.parsers.hf_config import hf_config_to_fields
+from perfmon.parsers.megatron_args import hf_config_locations, parse_megatron_cmdline
+from perfmon.parsers.model_config import (
+    ModelConfig,
+    merge_model_fields,
+    model_config_from_mapping,
+    parse_model_config_fields,
+)
+from perfmon.parsers.presets import preset_fields
+from perfmon.probes.procfs import TargetProcess
+
+
+def read_model_config_file(path: str) -> dict[str, Any]:
+    """The fields a YAML/JSON model config file sets; ModelConfigError names the file and field."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError as err:
+        raise ModelConfigError(f"model config {path}: no such file") from err
+    except OSError as err:
+        raise ModelConfigError(f"model config {path}: cannot read: {err.strerror}") from err
+    return parse_model_config_fields(text, source=path)
+
+
+def _hf_fields(target: TargetProcess) -> tuple[dict[str, Any], str | None]:
+    for location in hf_config_locations(target.cmdline):
+        base = Path(location)
+        if not base.is_absolute():
+            base = Path(f"/proc/{target.pid}/cwd") / base
+        else:
+            base = Path(f"/proc/{target.pid}/root{location}")
+        candidate = base / "config.json" if not base.name.endswith(".json") else base
+        try:
+            data = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            return hf_config_to_fields(data), location
+    return {}, None
+
+
+def resolve_model(
+    target: TargetProcess, config_file: str | None, preset: str | None
+) -> tuple[ModelConfig | None, dict[str, Any]]:
+    """The model config from every source, and a description of where each part came from.
+
+    Returns (None, description) when no source names the model's dimensions.
+    """
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config_file:
+        layers.append((f"model_config:{config_file}", read_model_config_file(config_file)))
+    if preset:
+        layers.append((f"preset:{preset}", preset_fields(preset)))
+    cmdline_fields = parse_megatron_cmdline(target.cmdline)
+    if cmdline_fields:
+        layers.append(("cmdline", cmdline_fields))
+    hf, location = _hf_fields(target)
+    if hf:
+        layers.append((f"hf_config:{location}", hf))
+    used = [name for name, fields in layers if fields]
+    description: dict[str, Any] = {"source": "+".join(used) if used else "none"}
+    if not used:
+        return None, description
+    merged = merge_model_fields(*(fields for _, fields in layers))
+    if "seq_length" not in merged and "max_position_embeddings" in merged:
+        merged["seq_length"] = merged["max_position_embeddings"]
+        description["seq_length_from"] = "max_position_embeddings"
+    return model_config_from_mapping(merged, source=description["source"]), description
+
+
+def build_workload(
+    cfg: ModelConfig | None, target: TargetProcess, peak_tflops: float | None
+) -> tuple[Workload, dict[str, Any]]:
+    """The per-iteration workload and the model section of session_info."""
+    world_size = _positive_int(target.environ.get("WORLD_SIZE")) or 1
+    if cfg is None:
+        return Workload(world_size=world_size, peak_tflops=peak_tflops), {}
+    parallel = (
+        cfg.tensor_model_parallel_size
+        * cfg.pipeline_model_parallel_size
+        * cfg.context_parallel_size
+    )
+    if world_size % parallel:
+        raise ModelConfigError(
+            f"pid {target.pid}: WORLD_SIZE {world_size} is not a multiple of "
+            f"tensor x pipeline x context parallel size ({parallel})"
+        )
+    flops_per_sample = model_flops_per_iteration(cfg, 1)
+    workload = Workload(
+        flops_per_sample=flops_per_sample.total,
+        seq_length=cfg.seq_length,
+        global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        data_parallel_size=world_size // parallel,
+        world_size=world_size,
+        peak_tflops=peak_tflops,
+    )
+    batch = "given" if cfg.global_batch_size else (
+        "derived: micro_batch_size x microbatches_per_step x data_parallel_size"
+        if cfg.micro_batch_size else "unknown"
+    )
+    info = {
+        "dimensions": {k: v for k, v in asdict(cfg).items() if v is not None},
+        "flops_per_sample": flops_per_sample.total,
+        "flops_per_iteration": (
+            flops_per_sample.total * cfg.global_batch_size if cfg.global_batch_size else None
+        ),
+        "flops_breakdown_per_sample": {
+            "attention": flops_per_sample.attention,
+            "mlp": flops_per_sample.mlp,
+            "logits": flops_per_sample.logits,
+            "mtp": flops_per_sample.mtp,
+        },
+        "global_batch_size": batch,
+        "world_size": world_size,
+        "world_size_from": "WORLD_SIZE" if "WORLD_SIZE" in target.environ else "default 1",
+        "data_parallel_size": world_size // parallel,
+    }
+    return workload, info
+
+
+def _positive_int(value: str | None) -> int | None:
+    return int(value) if value and value.isdigit() and int(value) > 0 else None
+

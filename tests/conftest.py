@@ -1,0 +1,166 @@
+"""Fixtures: real training targets (always reaped), the real agent as a subprocess,
+eBPF prerequisites (a failure, not a skip, under PERFMON_REQUIRE_EBPF=1), and a
+schema check of every summary a test leaves behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_GPT = ROOT / "tests" / "targets" / "train_gpt.py"
+SUMMARY_SCHEMA = json.loads((ROOT / "docs" / "perf_summary.schema.json").read_text())
+
+
+def ebpf_missing() -> str | None:
+    """Why eBPF uprobes cannot run here, or None."""
+    from perfmon.parsers.errors import PerfmonError
+    from perfmon.probes.uprobes import check_ebpf_prerequisites
+
+    try:
+        check_ebpf_prerequisites()
+    except PerfmonError as err:
+        return str(err)
+    return None
+
+
+@pytest.fixture(scope="session")
+def ebpf() -> None:
+    reason = ebpf_missing()
+    if reason is None:
+        return
+    if os.environ.get("PERFMON_REQUIRE_EBPF") == "1":
+        pytest.fail(f"PERFMON_REQUIRE_EBPF=1 but eBPF uprobes cannot run: {reason}")
+    pytest.skip(f"eBPF uprobes cannot run: {reason}")
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill a process we started (and its process group) and wait for it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+class Target:
+    """A real training process started by a test, with its own iteration timestamps."""
+
+    def __init__(self, proc: subprocess.Popen, stamps: Path) -> None:
+        self.proc, self.stamps = proc, stamps
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def timestamps(self) -> list[tuple[int, int]]:
+        """(iteration, CLOCK_MONOTONIC ns just before optimizer.step()) as the target wrote them."""
+        if not self.stamps.exists():
+            return []
+        rows = []
+        for line in self.stamps.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2:
+                rows.append((int(parts[0]), int(parts[1])))
+        return rows
+
+    def wait_for_iterations(self, n: int, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.timestamps()) < n:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"target exited early with {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"target did not reach {n} iterations in {timeout_s} s")
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def start_target(tmp_path: Path) -> Iterator:
+    started: list[subprocess.Popen] = []
+
+    def start(*args: str, script: Path = TRAIN_GPT, warm_iterations: int = 2) -> Target:
+        stamps = tmp_path / f"stamps_{len(started)}.txt"
+        proc = subprocess.Popen(
+            [sys.executable, str(script), "--timestamps", str(stamps), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, so reaping takes its children
+        )
+        started.append(proc)
+        target = Target(proc, stamps)
+        if warm_iterations:
+            target.wait_for_iterations(warm_iterations)
+        return target
+
+    yield start
+    for proc in started:
+        _reap(proc)
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Iterator[Path]:
+    """An output folder; every perf summary left in it must validate against the schema."""
+    path = tmp_path / "out"
+    path.mkdir()
+    yield path
+    for summary in path.glob("perf_summary_*.json"):
+        jsonschema.validate(json.loads(summary.read_text()), SUMMARY_SCHEMA)
+
+
+class Agent:
+    """The real agent, run as `python -m perfmon.agent.cli` in its own process."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, env: dict[str, str] | None = None,
+              prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "perfmon.agent.cli", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def run(self, *args: str, timeout_s: float = 120, **kw) -> subprocess.CompletedProcess:
+        proc = self.start(*args, **kw)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        finally:
+            _reap(proc)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    a = Agent()
+    yield a
+    for proc in a.procs:
+        _reap(proc)
+
+
+def load_summary(out: Path) -> dict:
+    (path,) = sorted(out.glob("perf_summary_*.json"))
+    return json.loads(path.read_text())
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)

@@ -1,0 +1,132 @@
+"""A small GPT-style language model trained on CPU: the demo job and the tests' target.
+
+It is an ordinary PyTorch program with no knowledge of the agent. Its flags use
+Megatron-LM's names, so its command line looks like a Megatron job's. For the
+tests it can write its own iteration timestamps (CLOCK_MONOTONIC, taken just
+before ``optimizer.step()``), stop making progress after N iterations, slow its
+data loader, or stall forever inside a named function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class RandomTokens(Dataset):
+    """Endless synthetic token sequences; ``delay_ms`` makes loading slow on purpose."""
+
+    def __init__(self, vocab: int, seq: int, delay_ms: float) -> None:
+        self.vocab, self.seq, self.delay_s = vocab, seq, delay_ms / 1000
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        g = torch.Generator().manual_seed(index)
+        return torch.randint(0, self.vocab, (self.seq + 1,), generator=g)
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, layers: int, hidden: int, heads: int, ffn: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads, ffn) for _ in range(layers))
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        mask = torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1)
+        self.register_buffer("mask", mask)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x, self.mask)
+        return self.head(self.ln(x))
+
+
+def deliberately_stalled_collective() -> None:
+    """Stands in for a rank stuck in a collective: never returns."""
+    while True:
+        time.sleep(3600)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--ffn-hidden-size", type=int, default=None)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--train-iters", type=int, default=0, help="0: train until killed")
+    p.add_argument("--after-train", choices=["exit", "sleep"], default="exit",
+                   help="what to do after --train-iters: exit, or stay alive doing nothing")
+    p.add_argument("--timestamps", help="append time.monotonic_ns() of each step here")
+    p.add_argument("--data-delay-ms", type=float, default=0.0)
+    p.add_argument("--stall-at", type=int, default=0, help="stall forever at this iteration")
+    p.add_argument("--threads", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    model = GPT(args.vocab_size, args.seq_length, args.num_layers, args.hidden_size,
+                args.num_attention_heads, ffn)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    loader = DataLoader(RandomTokens(args.vocab_size, args.seq_length, args.data_delay_ms),
+                        batch_size=args.micro_batch_size)
+    batches = iter(loader)
+    stamps = open(args.timestamps, "a", buffering=1) if args.timestamps else None  # noqa: SIM115
+    iteration = 0
+    print(f"pid {os.getpid()}: training", flush=True)
+    while args.train_iters == 0 or iteration < args.train_iters:
+        if args.stall_at and iteration == args.stall_at:
+            deliberately_stalled_collective()
+        for _ in range(args.grad_accum):
+            tokens = next(batches)
+            logits = model(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+            ) / args.grad_accum
+            loss.backward()
+        if stamps:
+            stamps.write(f"{iteration + 1} {time.monotonic_ns()}\n")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        iteration += 1
+        if iteration % 50 == 0:
+            print(f"iteration {iteration} loss {loss.item() * args.grad_accum:.3f} "
+                  f"ppl {math.exp(min(20.0, loss.item() * args.grad_accum)):.1f}", flush=True)
+    if args.after_train == "sleep":
+        while True:
+            time.sleep(3600)
+
+
+if __name__ == "__main__":
+    train(parse_args(sys.argv[1:]))
