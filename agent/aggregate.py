@@ -130,7 +130,10 @@ class StepAggregator:
     def feed(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one record; return the iteration_logs entries it completed."""
         kind = record["type"]
-        if kind == "marker" and record["pid"] == self.primary_pid:
+        if kind == "marker":
+            # Markers from before the probes were all attached fall outside the window.
+            if record["pid"] != self.primary_pid or record["t_mono_ns"] < self.start_t_mono_ns:
+                return []
             return self._on_marker(record["kind"], record["t_mono_ns"])
         if kind == "process":
             t, rss = record["t_mono_ns"], record["rss_bytes"]

@@ -14,7 +14,7 @@ from typing import Any
 
 from perfmon.agent.session import AttachOptions, MonitorSession
 from perfmon.agent.summary import summary_from_records, write_json_atomic
-from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.errors import EventLogError, PerfmonError
 from perfmon.parsers.events import decode_event_log
 from rich.console import Console
 from rich.table import Table
@@ -172,7 +172,7 @@ def _summarize(args: argparse.Namespace) -> int:
     try:
         data = args.event_log.read_bytes()
     except OSError as err:
-        raise PerfmonError(f"event log {args.event_log}: {err.strerror}") from err
+        raise EventLogError(f"event log {args.event_log}: {err.strerror}") from err
     records, truncated = decode_event_log(data, str(args.event_log))
     summary = summary_from_records(records, truncated)
     stamp = args.event_log.name.removeprefix("perf_events_").removesuffix(".msgpack")

@@ -4,7 +4,8 @@ Watches the GPUs for a window (XID events, temperature, power, clock events),
 then reads their error counters once, and judges each check pass / warn / fail;
 a check the GPU or driver does not offer is "skipped", never a failure. Thresholds
 and the reasons for them are in docs/gpu.md. Exit status: 0 when nothing failed,
-1 when a check failed, 5 when NVML is unavailable (one line on stderr).
+1 when a check failed, 3 for a GPU index NVML lacks, 5 when NVML is unavailable
+(those two: one line on stderr).
 """
 
 from __future__ import annotations
@@ -410,20 +411,25 @@ def _foreign_processes(h: GpuHealthReadings, w: _Window, job_pids: set[int]) -> 
     if not foreign:
         return CheckResult("foreign_processes", "pass", "no processes outside the job")
     described = [
-        f"pid {pid}" + (f" ({memory[pid] / 2**30:.1f} GiB)" if memory.get(pid) else "")
+        f"pid {pid}" + (f" ({memory[pid] / 2**20:.0f} MiB)" if memory.get(pid) else "")
         for pid in foreign
     ]
     return CheckResult("foreign_processes", "warn",
                        f"{len(foreign)} process(es) outside the job: {', '.join(described)}")
 
 
+HEALTH_DESCRIPTION = """\
+Is each GPU fit to run a training job right now? Watches the GPUs for a window,
+reads their error counters, and reports pass/warn/fail per check (docs/gpu.md).
+"""
 HEALTH_EPILOG = """\
 examples:
   perfmon-agent health                      # all GPUs, 5 s window, table
   perfmon-agent health --gpus 0,1 --json    # two GPUs, JSON (docs/health_report.schema.json)
   perfmon-agent health --window 30 --pids 4242,4243   # other processes on the GPUs warn
 
-exit status: 0 no check failed (warnings allowed), 1 a check failed, 5 NVML unavailable
+exit status: 0 no check failed (warnings allowed), 1 a check failed,
+             3 no such GPU, 5 NVML unavailable (no driver)
 """
 
 
@@ -495,7 +501,7 @@ def _print_table(report: HealthReport) -> None:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="perfmon-agent health", description=__doc__,
+    parser = argparse.ArgumentParser(prog="perfmon-agent health", description=HEALTH_DESCRIPTION,
                                      epilog=HEALTH_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_health_arguments(parser)

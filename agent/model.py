@@ -56,18 +56,28 @@ def _hf_fields(target: TargetProcess) -> tuple[dict[str, Any], str | None]:
     return {}, None
 
 
-def resolve_model(
-    target: TargetProcess, config_file: str | None, preset: str | None
-) -> tuple[ModelConfig | None, dict[str, Any]]:
-    """The model config from every source, and a description of where each part came from.
-
-    Returns (None, description) when no source names the model's dimensions.
-    """
+def explicit_model_fields(
+    config_file: str | None, preset: str | None
+) -> list[tuple[str, dict[str, Any]]]:
+    """The user's own model sources (file, preset), read and checked before any process is."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if config_file:
         layers.append((f"model_config:{config_file}", read_model_config_file(config_file)))
     if preset:
         layers.append((f"preset:{preset}", preset_fields(preset)))
+    return layers
+
+
+def resolve_model(
+    target: TargetProcess, explicit: list[tuple[str, dict[str, Any]]]
+) -> tuple[ModelConfig | None, dict[str, Any]]:
+    """The model config from every source, and a description of where each part came from.
+
+    ``explicit`` comes from :func:`explicit_model_fields` and wins over what the
+    target's command line and Hugging Face config say. Returns (None,
+    description) when no source names the model's dimensions.
+    """
+    layers = list(explicit)
     cmdline_fields = parse_megatron_cmdline(target.cmdline)
     if cmdline_fields:
         layers.append(("cmdline", cmdline_fields))

@@ -19,12 +19,12 @@ from typing import Any
 
 from perfmon.agent.aggregate import StepAggregator
 from perfmon.agent.eventlog import EventLogWriter
-from perfmon.agent.model import build_workload, resolve_model
+from perfmon.agent.model import build_workload, explicit_model_fields, resolve_model
 from perfmon.agent.summary import build_summary, write_json_atomic
 from perfmon.parsers.errors import PerfmonError
 from perfmon.probes.procfs import MemorySampler, TargetProcess, is_running, resolve_targets
 from perfmon.probes.sampler import monotonic_ns
-from perfmon.probes.uprobes import MarkerProbe
+from perfmon.probes.uprobes import MarkerProbe, check_ebpf_prerequisites
 
 POLL_INTERVAL_S = 0.1
 LIVENESS_INTERVAL_NS = 500_000_000
@@ -111,9 +111,12 @@ class MonitorSession:
 
     def run(self) -> SessionResult:
         opts = self.options
+        explicit = explicit_model_fields(opts.model_config, opts.model_preset)
+        # Fail on the host's lacks before looking at any process (the probe checks again).
+        check_ebpf_prerequisites()
         targets = resolve_targets(opts.pid)
         primary = targets[0]
-        cfg, model_source = resolve_model(primary, opts.model_config, opts.model_preset)
+        cfg, model_source = resolve_model(primary, explicit)
         workload, model_info = build_workload(cfg, primary, opts.peak_tflops)
         out_dir = _prepare_output_dir(opts.output_dir)
 
@@ -157,13 +160,16 @@ class MonitorSession:
                     next_liveness = now + LIVENESS_INTERVAL_NS
                     if not is_running(primary):
                         self._stop_reason = "target_exited"
-            self._ingest(probe, memory, log, aggregator)  # what arrived before we stopped
         finally:
+            # The window ends now: take what the kernel delivered up to this instant,
+            # then detach (which takes a while, and whose events we do not count).
+            end_ns = monotonic_ns()
+            self._ingest(probe, memory, log, aggregator, until_ns=end_ns)
             probe.close()
             memory.close()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            end = {"type": "session_end", "t_mono_ns": monotonic_ns(),
+            end = {"type": "session_end", "t_mono_ns": end_ns,
                    "reason": self._stop_reason or "error"}
             aggregator.feed(end)
             log.append(end)
@@ -174,10 +180,13 @@ class MonitorSession:
 
     def _ingest(
         self, probe: MarkerProbe, memory: MemorySampler, log: EventLogWriter,
-        aggregator: StepAggregator,
+        aggregator: StepAggregator, until_ns: int | None = None,
     ) -> bool:
         """Log and aggregate what the probes gathered; True when an interval completed."""
-        records: list[dict[str, Any]] = [{"type": "marker", **e.__dict__} for e in probe.poll()]
+        records: list[dict[str, Any]] = [
+            {"type": "marker", **e.__dict__} for e in probe.poll()
+            if until_ns is None or e.t_mono_ns <= until_ns
+        ]
         records += [{"type": "process", **s.__dict__} for s in memory.poll()]
         if probe.dropped > self._dropped_logged:
             records.append({"type": "lost", "t_mono_ns": monotonic_ns(),

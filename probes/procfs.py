@@ -55,7 +55,8 @@ def _read(pid: int, name: str, binary: bool = False) -> str | bytes:
         raise NoSuchProcess(f"pid {pid}: no such process") from err
     except PermissionError as err:
         raise PrivilegeError(
-            f"pid {pid}: cannot read {path}: run as root or with CAP_SYS_PTRACE"
+            f"pid {pid}: permission denied reading {path} (needs root with CAP_SYS_PTRACE; "
+            "a process in another user namespace or marked undumpable stays unreadable)"
         ) from err
     except ProcessLookupError as err:
         raise NoSuchProcess(f"pid {pid}: process exited") from err

@@ -10,7 +10,8 @@ the target, i.e. a handful per training step (a few microseconds each); names
 that do not mark a step are rejected in the kernel after one 24-byte read.
 Set-up: ~0.5 s of BPF compilation.
 
-Needs: root, or CAP_BPF + CAP_PERFMON (Linux >= 5.8) or CAP_SYS_ADMIN; bcc's
+Needs: root, or CAP_SYS_PTRACE plus CAP_BPF + CAP_PERFMON (Linux >= 5.8) or
+CAP_SYS_ADMIN; bcc's
 Python module (Debian ``python3-bpfcc``); kernel headers for the running
 kernel (``/lib/modules/$(uname -r)/build``, ``$BCC_KERNEL_SOURCE`` or
 ``/sys/kernel/kheaders.tar.xz``); a PyTorch whose libtorch_cpu.so exports
@@ -28,7 +29,13 @@ from typing import Any
 
 from perfmon.parsers.elf_symbols import ElfError, find_function_symbols
 from perfmon.parsers.events import MARKER_KINDS
-from perfmon.parsers.procfs import CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN, missing_capabilities
+from perfmon.parsers.procfs import (
+    CAP_BPF,
+    CAP_PERFMON,
+    CAP_SYS_ADMIN,
+    CAP_SYS_PTRACE,
+    missing_capabilities,
+)
 from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError, SymbolNotFound
 from perfmon.probes.procfs import TargetProcess, agent_capabilities
 from perfmon.probes.sampler import Sampler
@@ -63,29 +70,33 @@ class MarkerEvent:
 
 
 def kernel_headers_dir() -> str | None:
-    """Where bcc will find kernel headers, or None when it will find none."""
-    candidates = [
-        os.environ.get("BCC_KERNEL_SOURCE", ""),
-        f"/lib/modules/{os.uname().release}/build",
-    ]
-    for path in candidates:
-        if path and os.path.isdir(os.path.join(path, "include")):
-            return path
-    if "BCC_KERNEL_SOURCE" not in os.environ and os.path.exists("/sys/kernel/kheaders.tar.xz"):
-        return "/sys/kernel/kheaders.tar.xz"
-    return None
+    """Where bcc will find kernel headers, or None when it will find none.
+
+    bcc takes $BCC_KERNEL_SOURCE alone when it is set; otherwise the running
+    kernel's build folder, else the in-kernel /sys/kernel/kheaders.tar.xz.
+    """
+    override = os.environ.get("BCC_KERNEL_SOURCE")
+    if override is not None:
+        return override if os.path.isdir(os.path.join(override, "include")) else None
+    build = f"/lib/modules/{os.uname().release}/build"
+    if os.path.isdir(os.path.join(build, "include")):
+        return build
+    return "/sys/kernel/kheaders.tar.xz" if os.path.exists("/sys/kernel/kheaders.tar.xz") else None
 
 
 def check_ebpf_prerequisites() -> None:
     """Raise PrivilegeError or PrerequisiteMissing naming what the host lacks."""
     caps = agent_capabilities()
-    if not (caps >> CAP_SYS_ADMIN & 1):
-        missing = missing_capabilities(caps, (CAP_BPF, CAP_PERFMON))
-        if missing:
-            raise PrivilegeError(
-                f"pid {os.getpid()} (perfmon-agent): missing capabilities {', '.join(missing)} "
-                "for eBPF uprobes: run as root, or grant CAP_BPF and CAP_PERFMON"
-            )
+    # CAP_SYS_PTRACE: reading another process's maps and environ; CAP_BPF and
+    # CAP_PERFMON (both implied by CAP_SYS_ADMIN): loading BPF and attaching uprobes.
+    needed = [CAP_SYS_PTRACE] + ([] if caps >> CAP_SYS_ADMIN & 1 else [CAP_BPF, CAP_PERFMON])
+    missing = missing_capabilities(caps, needed)
+    if missing:
+        raise PrivilegeError(
+            f"pid {os.getpid()} (perfmon-agent): missing capabilities {', '.join(missing)} "
+            "for eBPF uprobes: run as root (with full capabilities), or grant "
+            "CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE"
+        )
     try:
         import bcc  # noqa: F401
     except ImportError as err:

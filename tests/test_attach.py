@@ -1,0 +1,150 @@
+"""attach against real PyTorch training processes with real bcc uprobes.
+
+The target writes time.monotonic_ns() just before each optimizer.step(); the
+agent's uprobe fires on Optimizer.step's record_function entry, on the same
+clock, so the two are compared directly.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import subprocess
+import sys
+
+import msgpack
+import pytest
+
+from tests.conftest import load_summary, wait_for
+
+pytestmark = pytest.mark.usefixtures("ebpf")
+
+MODEL_YAML = """\
+num_layers: 2
+hidden_size: 128
+num_attention_heads: 4
+seq_length: 64
+vocab_size: 512
+micro_batch_size: 4
+"""
+
+
+def in_window(stamps: list[tuple[int, int]], info: dict) -> list[int]:
+    lo, hi = info["attach_monotonic_ns"], info["detach_monotonic_ns"]
+    return [t for _, t in stamps if lo <= t <= hi]
+
+
+def test_step_time_and_iteration_count_match_the_targets_own_timestamps(
+    start_target, agent, out_dir, tmp_path
+):
+    target = start_target()
+    (tmp_path / "model.yaml").write_text(MODEL_YAML + "global_batch_size: 4\n")
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "6",
+                    "--log-interval", "10", "--output-dir", str(out_dir),
+                    "--model-config", str(tmp_path / "model.yaml"))
+    assert run.returncode == 0, run.stderr
+    summary = load_summary(out_dir)
+    info, stats = summary["session_info"], summary["final_statistics"]
+    truth = in_window(target.timestamps(), info)
+    assert len(truth) > 50
+    assert abs(info["total_iterations"] - len(truth)) <= 1
+    true_mean_ms = statistics.fmean((b - a) / 1e6 for a, b in zip(truth, truth[1:]))
+    assert stats["avg_step_time_ms"] == pytest.approx(true_mean_ms, rel=0.005)
+    assert stats["measured_iterations"] == info["total_iterations"] - 1
+    assert info["iteration_source"] == "uprobe" and info["end_reason"] == "duration"
+    assert info["pids"] == [target.pid]
+    # Throughput follows from the step time and the model: 4 samples x 64 tokens a step.
+    assert stats["avg_tokens_per_sec"] == pytest.approx(4 * 64 / (true_mean_ms / 1e3), rel=0.01)
+    assert stats["avg_samples_per_sec"] == pytest.approx(4 / (true_mean_ms / 1e3), rel=0.01)
+    flops = info["model"]["flops_per_iteration"]
+    assert stats["avg_tflops_per_gpu"] == pytest.approx(
+        flops / (true_mean_ms / 1e3) / 1e12, rel=0.01)
+    assert stats["peak_memory_gb"] > 0.05
+    assert stats["mfu"] is None  # a CPU job has no known peak
+    logs = summary["iteration_logs"]
+    assert len(logs) == stats["measured_iterations"] // 10
+    assert [e["iteration"] for e in logs] == [11 + 10 * k for k in range(len(logs))]
+    assert all(e["memory_GB"] > 0.05 for e in logs)
+    # One progress line per log interval, then the table.
+    assert run.stdout.count("iter ") == len(logs)
+    assert "avg step time" in run.stdout
+
+
+def test_gradient_accumulation_four_gives_four_microbatches_per_step_and_derived_batch(
+    start_target, agent, out_dir, tmp_path
+):
+    target = start_target("--grad-accum", "4")
+    (tmp_path / "model.yaml").write_text(MODEL_YAML)  # micro batch only: global is derived
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "4",
+                    "--output-dir", str(out_dir), "--model-config", str(tmp_path / "model.yaml"))
+    assert run.returncode == 0, run.stderr
+    summary = load_summary(out_dir)
+    stats = summary["final_statistics"]
+    assert stats["microbatches_per_step"] == 4
+    # global batch = micro batch 4 x 4 micro-batches x DP 1 = 16 samples a step
+    assert stats["avg_samples_per_sec"] == pytest.approx(
+        16 / (stats["avg_step_time_ms"] / 1e3), rel=0.01)
+    assert summary["session_info"]["model"]["global_batch_size"].startswith("derived")
+
+
+def test_target_that_exits_mid_run_leaves_a_complete_summary(
+    start_target, agent, out_dir
+):
+    target = start_target("--train-iters", "150")
+    run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir), "--json")
+    assert run.returncode == 0, run.stderr
+    printed = json.loads(run.stdout)
+    summary = load_summary(out_dir)  # schema-checked by the out_dir fixture
+    assert printed == summary
+    info = summary["session_info"]
+    assert info["end_reason"] == "target_exited" and info["end_time"] is not None
+    truth = in_window(target.timestamps(), info)
+    assert abs(info["total_iterations"] - len(truth)) <= 1
+    assert target.timestamps()[-1][0] == 150
+    assert summary["final_statistics"]["avg_tokens_per_sec"] is None  # no model: unknown
+
+
+def test_summarize_rebuilds_the_summary_of_a_sigkilled_agent(
+    start_target, agent, out_dir
+):
+    target = start_target("--train-iters", "500", "--after-train", "sleep")
+    proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
+                       "--log-interval", "7")
+    target.wait_for_iterations(500)
+    # The live summary is refreshed at least every 5 s: wait until it holds every step.
+    live = wait_for(
+        lambda: (s := _try_summary(out_dir)) and _all_done(s, target) and s,
+        timeout_s=30, what="the live summary to count every iteration")
+    assert live["final_statistics"]["measured_iterations"] > 50
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    (events,) = out_dir.glob("perf_events_*.msgpack")
+    rebuilt_path = out_dir / "rebuilt.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "perfmon.agent.cli", "summarize", str(events), "--output",
+         str(rebuilt_path), "--json"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    rebuilt = json.loads(rebuilt_path.read_text())
+    assert rebuilt["final_statistics"] == live["final_statistics"]
+    assert rebuilt["iteration_logs"] == live["iteration_logs"]
+    assert rebuilt["session_info"]["total_iterations"] == live["session_info"]["total_iterations"]
+    assert rebuilt["session_info"]["end_reason"] == "log_truncated"
+    assert json.loads(run.stdout) == rebuilt
+    # Every record in the log decodes; the live one never held a session_end.
+    records = list(msgpack.Unpacker(open(events, "rb"), raw=False))
+    assert records[0]["type"] == "session_start"
+    assert all(r["type"] != "session_end" for r in records)
+
+
+def _try_summary(out_dir):
+    try:
+        return load_summary(out_dir)
+    except (ValueError, FileNotFoundError):
+        return None
+
+
+def _all_done(summary, target) -> bool:
+    info = summary["session_info"]
+    truth = [t for _, t in target.timestamps() if t >= info["attach_monotonic_ns"]]
+    return len(truth) > 0 and info["total_iterations"] == len(truth)

@@ -1,0 +1,139 @@
+"""Every bad input gives one line on stderr naming the problem and its exit code, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import _reap
+
+
+def assert_one_line(run: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == code, run.stderr
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("perfmon-agent: error: ")
+    for needle in needles:
+        assert needle in lines[0]
+
+
+@pytest.fixture
+def idle_process():
+    started = []
+
+    def start(*argv: str) -> int:
+        proc = subprocess.Popen(list(argv), start_new_session=True)
+        started.append(proc)
+        return proc.pid
+
+    yield start
+    for proc in started:
+        _reap(proc)
+
+
+def test_no_such_pid(agent, out_dir):
+    run = agent.run("attach", "--pid", "999999999", "--output-dir", str(out_dir))
+    assert_one_line(run, 3, "pid 999999999", "no such process")
+
+
+def test_pid_that_is_not_a_python_process(agent, idle_process, out_dir):
+    pid = idle_process("sleep", "300")
+    run = agent.run("attach", "--pid", str(pid), "--output-dir", str(out_dir))
+    assert_one_line(run, 3, f"pid {pid} (sleep)", "not a Python process")
+
+
+def test_python_process_without_pytorch(agent, idle_process, out_dir):
+    pid = idle_process(sys.executable, "-c", "import time; time.sleep(300)")
+    run = agent.run("attach", "--pid", str(pid), "--output-dir", str(out_dir))
+    assert_one_line(run, 3, f"pid {pid}", "PyTorch is not loaded")
+
+
+def test_missing_capabilities_are_named(agent, start_target, out_dir):
+    target = start_target()
+    # Root, but with an empty bounding set: no capability survives the exec.
+    run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
+                    prefix=("setpriv", "--bounding-set=-all", "--inh-caps=-all"))
+    assert_one_line(run, 4, "CAP_BPF", "CAP_PERFMON", "root")
+    assert not list(out_dir.iterdir())  # nothing written before the check
+
+
+def test_missing_bcc_says_what_to_install(start_target, out_dir):
+    target = start_target()
+    # A Python where `import bcc` fails, as on a host without python3-bpfcc.
+    code = ("import sys; sys.modules['bcc'] = None; "
+            "from perfmon.agent.cli import main; sys.exit(main())")
+    run = subprocess.run(
+        [sys.executable, "-c", code, "attach", "--pid", str(target.pid),
+         "--output-dir", str(out_dir)], capture_output=True, text=True, timeout=60)
+    assert_one_line(run, 5, "bcc", "apt-get install python3-bpfcc")
+
+
+def test_missing_kernel_headers_say_what_to_install(agent, start_target, out_dir, tmp_path):
+    target = start_target()
+    run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
+                    env={"BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")})
+    assert_one_line(run, 5, "no kernel headers", "linux-headers-")
+
+
+BAD_MODEL_CONFIGS = {
+    "unparsable": ("num_layers: [2\n", ["model.yaml", "line"]),
+    "unknown-key": ("num_layer: 2\nhidden_size: 64\n", ["unknown key 'num_layer'", "num_layers"]),
+    "impossible-value": (
+        "num_layers: 2\nhidden_size: -64\nnum_attention_heads: 4\nseq_length: 8\n"
+        "vocab_size: 10\n", ["hidden_size", "-64"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MODEL_CONFIGS))
+def test_bad_model_config_file_fails_before_any_process_is_read(agent, out_dir, tmp_path, case):
+    text, needles = BAD_MODEL_CONFIGS[case]
+    config = tmp_path / "model.yaml"
+    config.write_text(text)
+    # pid 999999999 does not exist: the file's own faults are reported first.
+    run = agent.run("attach", "--pid", "999999999", "--model-config", str(config),
+                    "--output-dir", str(out_dir))
+    assert_one_line(run, 2, *needles)
+
+
+def test_missing_model_config_file(agent, out_dir, tmp_path):
+    run = agent.run("attach", "--pid", "999999999", "--model-config",
+                    str(tmp_path / "model.yaml"), "--output-dir", str(out_dir))
+    assert_one_line(run, 2, "model.yaml", "no such file")
+
+
+def test_model_config_missing_a_required_field_names_it(agent, start_target, out_dir, tmp_path):
+    # Another source (the job's command line) could still supply a field, so
+    # completeness is checked once every source is merged, against a real job.
+    target = start_target()
+    config = tmp_path / "model.yaml"
+    config.write_text("num_layers: 2\nnum_attention_heads: 4\nseq_length: 8\nvocab_size: 10\n")
+    run = agent.run("attach", "--pid", str(target.pid), "--model-config", str(config),
+                    "--output-dir", str(out_dir))
+    assert_one_line(run, 2, "hidden_size")
+    assert not list(out_dir.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--log-interval", "0"], "--log-interval"),
+        (["--duration", "-3"], "--duration"),
+        (["--pid", "abc"], "--pid"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(agent, args, needle):
+    base = ["attach"] + (["--pid", "1"] if "--pid" not in args else [])
+    run = agent.run(*base, *args)
+    assert run.returncode == 2
+    assert needle in run.stderr and "Traceback" not in run.stderr
+
+
+def test_summarize_of_a_file_that_is_not_an_event_log(agent, tmp_path):
+    bogus = tmp_path / "bogus.msgpack"
+    bogus.write_bytes(b"\x00\x01not msgpack")
+    run = agent.run("summarize", str(bogus))
+    assert_one_line(run, 2, "bogus.msgpack", "not a perfmon event log")
+    run = agent.run("summarize", str(tmp_path / "absent.msgpack"))
+    assert_one_line(run, 2, "absent.msgpack")
