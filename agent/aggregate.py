@@ -44,7 +44,7 @@ class Workload:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Workload:
-        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__ if k in data})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

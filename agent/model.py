@@ -1,9 +1,9 @@
 """Where the model's dimensions and the batch come from, and what one iteration computes.
 
-Sources, earliest wins field by field: ``--model-config FILE``, ``--model-preset
-NAME``, the target's own Megatron/FlagScale-style command line, and a Hugging
-Face ``config.json`` its command line points at (read through
-/proc/PID/root and relative to /proc/PID/cwd, so containers work).
+Sources, earliest wins field by field: ``--model-config FILE``, the target's
+own Megatron/FlagScale-style command line, a Hugging Face ``config.json`` its
+command line points at (read through /proc/PID/root and relative to
+/proc/PID/cwd, so containers work), and last ``--model-preset NAME``.
 """
 
 from __future__ import annotations
@@ -77,13 +77,16 @@ def resolve_model(
     target's command line and Hugging Face config say. Returns (None,
     description) when no source names the model's dimensions.
     """
-    layers = list(explicit)
+    # A preset is a typical shape: what the job itself says (its command line,
+    # its config.json) beats it, and only the user's own file beats the job.
+    layers = [layer for layer in explicit if not layer[0].startswith("preset:")]
     cmdline_fields = parse_megatron_cmdline(target.cmdline)
     if cmdline_fields:
         layers.append(("cmdline", cmdline_fields))
     hf, location = _hf_fields(target)
     if hf:
         layers.append((f"hf_config:{location}", hf))
+    layers += [layer for layer in explicit if layer[0].startswith("preset:")]
     used = [name for name, fields in layers if fields]
     description: dict[str, Any] = {"source": "+".join(used) if used else "none"}
     if not used:

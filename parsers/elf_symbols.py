@@ -81,10 +81,10 @@ def find_function_symbols(
         return found
     view = memoryview(buf)[sym_off : sym_off + sym_size]
     for st_name, st_info, _other, st_shndx, st_value, st_size in _SYM.iter_unpack(view):
-        prefix = wanted.get(st_name)
-        if prefix is None or st_shndx == _SHN_UNDEF or st_info & 0xF != _STT_FUNC:
+        match = wanted.get(st_name)
+        if match is None or st_shndx == _SHN_UNDEF or st_info & 0xF != _STT_FUNC:
             continue
         end = dynstr.index(b"\0", st_name)
         name = dynstr[st_name:end].decode("ascii", "replace")
-        found[prefix].append(ElfSymbol(name, st_value, st_size))
+        found[match].append(ElfSymbol(name, st_value, st_size))
     return found

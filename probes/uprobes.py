@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from perfmon.parsers.elf_symbols import ElfError, find_function_symbols
+from perfmon.parsers.elf_symbols import ElfError, ElfSymbol, find_function_symbols
 from perfmon.parsers.events import MARKER_KINDS
 from perfmon.parsers.procfs import (
     CAP_BPF,
@@ -125,7 +125,7 @@ def _find_symbols(target: TargetProcess) -> tuple[list[str], list[str]]:
             f"pid {target.pid} ({target.name}): cannot read symbols of {target.torch_library}: "
             f"{err}"
         ) from err
-    record = next((found[p] for p in RECORD_FUNCTION_SYMBOLS if found[p]), [])
+    record: list[ElfSymbol] = next((found[p] for p in RECORD_FUNCTION_SYMBOLS if found[p]), [])
     if not record:
         raise SymbolNotFound(
             f"pid {target.pid} ({target.name}): {target.torch_library} exports no "

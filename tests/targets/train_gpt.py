@@ -50,7 +50,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, seq: int, layers: int, hidden: int, heads: int, ffn: int):
+    def __init__(self, *, vocab: int, seq: int, layers: int, hidden: int, heads: int, ffn: int):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
         self.blocks = nn.ModuleList(Block(hidden, heads, ffn) for _ in range(layers))
@@ -96,13 +96,13 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
-    model = GPT(args.vocab_size, args.seq_length, args.num_layers, args.hidden_size,
-                args.num_attention_heads, ffn)
+    model = GPT(vocab=args.vocab_size, seq=args.seq_length, layers=args.num_layers,
+                hidden=args.hidden_size, heads=args.num_attention_heads, ffn=ffn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     loader = DataLoader(RandomTokens(args.vocab_size, args.seq_length, args.data_delay_ms),
                         batch_size=args.micro_batch_size)
     batches = iter(loader)
-    stamps = open(args.timestamps, "a", buffering=1) if args.timestamps else None  # noqa: SIM115
+    stamps = open(args.timestamps, "a", buffering=1) if args.timestamps else None
     iteration = 0
     print(f"pid {os.getpid()}: training", flush=True)
     while args.train_iters == 0 or iteration < args.train_iters:
