@@ -1,0 +1,693 @@
+"""GPU state from NVML (libnvidia-ml.so.1, through nvidia-ml-py's ``pynvml``).
+
+Measures, per GPU: utilisation, memory, power and its limit, SM and memory clocks,
+temperature, clock-event (throttle) reasons, driver-side memory per process and,
+on Hopper and later, GPM metrics (:class:`NvmlSampler`); XID critical-error events
+(:class:`XidEventWatcher`); the counters a health check reads once: temperature
+thresholds, ECC, retired pages, row remapping, PCIe link and NVLink state
+(:func:`read_gpu_health`).
+
+Cost: about a dozen NVML calls per GPU per sample, each an ioctl into the driver
+(tens of microseconds to about a millisecond; power and the process list are the
+slow ones). No thread: :meth:`NvmlSampler.poll` samples when a slot is due.
+
+Privileges: none beyond opening /dev/nvidia*. Where the driver withholds a value
+(NO_PERMISSION, NVML_VALUE_NOT_AVAILABLE for other users' processes in some
+set-ups) the field is None and listed as unsupported, never an error.
+
+Versions: nvidia-ml-py >= 12.535 and a driver whose NVML has
+nvmlDeviceGetComputeRunningProcesses_v3 (R510+). Clock *event* reasons are the
+R535 name of throttle reasons; older drivers get the old call. Row remapping needs
+Ampere or later, GPM Hopper or later.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import threading
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+from perfmon.probes.errors import PrerequisiteMissing, ProbeError
+from perfmon.probes.sampler import Sampler, monotonic_ns
+
+log = logging.getLogger(__name__)
+
+
+class NvmlUnavailable(PrerequisiteMissing):
+    """NVML cannot be used: no libnvidia-ml.so.1, no driver, or library and driver differ."""
+
+
+class GpuLost(ProbeError):
+    """The GPU fell off the bus (NVML_ERROR_GPU_IS_LOST) or needs a reset."""
+
+
+class NvmlCallError(ProbeError):
+    """An NVML call failed for a reason other than 'not supported' or 'GPU lost'."""
+
+
+class NoSuchGpu(ProbeError):
+    """A GPU index outside what NVML enumerates was asked for."""
+
+
+_CODE_NAMES = {
+    value: name
+    for name, value in vars(pynvml).items()
+    if name.startswith("NVML_ERROR_") and isinstance(value, int)
+}
+# Answers that mean "this GPU or driver does not offer the value": the field is
+# None and listed, as nvitop's libnvml does, rather than a failed sample.
+_UNSUPPORTED = {
+    pynvml.NVML_ERROR_NOT_SUPPORTED: "not supported",
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND: "not in this driver",  # pynvml: no such symbol
+    pynvml.NVML_ERROR_NO_PERMISSION: "no permission",
+}
+# nvml.h: after GPU_IS_LOST every call on the device fails until it is reset.
+_NOT_IN_DRIVER = _UNSUPPORTED[pynvml.NVML_ERROR_FUNCTION_NOT_FOUND]
+_LOST = {
+    pynvml.NVML_ERROR_GPU_IS_LOST: "fallen off the bus",
+    pynvml.NVML_ERROR_RESET_REQUIRED: "needs a reset",
+}
+_UNAVAILABLE = {
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
+        "libnvidia-ml.so.1 not found; is the NVIDIA driver installed?"
+    ),
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED: "the NVIDIA kernel driver is not loaded",
+    pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH: (
+        "libnvidia-ml.so.1 does not match the loaded kernel driver (reload the driver or reboot)"
+    ),
+    pynvml.NVML_ERROR_NO_PERMISSION: "no permission to open /dev/nvidia*",
+}
+_THROTTLE_REASON_NAMES = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+GPM_METRIC_IDS = {
+    "graphics_util_pct": pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL,
+    "sm_util_pct": pynvml.NVML_GPM_METRIC_SM_UTIL,
+    "sm_occupancy_pct": pynvml.NVML_GPM_METRIC_SM_OCCUPANCY,
+    "any_tensor_util_pct": pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
+    "dram_bw_util_pct": pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
+}
+_MAX_EVENTS_PER_POLL = 1024
+
+_init_lock = threading.Lock()
+_initialised = False
+_logged_unsupported: set[str] = set()
+
+
+def _code_name(code: int) -> str:
+    return _CODE_NAMES.get(code, f"NVML error {code}")
+
+
+def _ensure_initialised() -> None:
+    global _initialised
+    with _init_lock:
+        if _initialised:
+            return
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as err:
+            reason = _UNAVAILABLE.get(err.value, str(err))
+            raise NvmlUnavailable(f"NVML unavailable ({_code_name(err.value)}): {reason}") from err
+        _initialised = True
+        atexit.register(_shutdown)
+
+
+def _shutdown() -> None:
+    global _initialised
+    with _init_lock:
+        if _initialised:
+            _initialised = False
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError:
+                pass
+
+
+def nvml_query(
+    func: Callable[..., Any],
+    *args: Any,
+    field: str,
+    unsupported: dict[str, str] | None = None,
+    gpu: int | None = None,
+    none_on: Collection[int] = (),
+) -> Any:
+    """Call one pynvml function; every NVML call of perfmon goes through here.
+
+    Initialises NVML on first use. Returns the function's result, or None when the
+    GPU or driver does not offer it (NOT_SUPPORTED, FUNCTION_NOT_FOUND,
+    NO_PERMISSION): ``field`` is then recorded in ``unsupported`` with the reason
+    and the function is logged once per process. Codes in ``none_on`` give None
+    silently (TIMEOUT from an event wait, INVALID_ARGUMENT for a missing link).
+
+    Raises NvmlUnavailable (no library or driver), GpuLost (GPU_IS_LOST,
+    RESET_REQUIRED) and NvmlCallError (any other NVML error).
+    """
+    _ensure_initialised()
+    try:
+        return func(*args)
+    except pynvml.NVMLError as err:
+        code = err.value
+        name = getattr(func, "__name__", repr(func))
+        where = f"GPU {gpu}: " if gpu is not None else ""
+        if code in none_on:
+            return None
+        if code in _UNSUPPORTED:
+            if unsupported is not None:
+                unsupported.setdefault(field, _UNSUPPORTED[code])
+            if name not in _logged_unsupported:
+                _logged_unsupported.add(name)
+                log.info("%s%s: %s; %s is None", where, name, _UNSUPPORTED[code], field)
+            return None
+        if code in _LOST:
+            raise GpuLost(f"{where}{_LOST[code]} ({_code_name(code)} from {name})") from err
+        raise NvmlCallError(f"{where}{name} failed: {err} ({_code_name(code)})") from err
+
+
+def throttle_reason_names(mask: int) -> tuple[str, ...]:
+    """Names of the bits set in an nvmlClocksEventReason* mask (unknown bits as hex)."""
+    names = [name for bit, name in _THROTTLE_REASON_NAMES.items() if mask & bit]
+    rest = mask & ~sum(_THROTTLE_REASON_NAMES)
+    for bit in range(64):
+        if rest & (1 << bit):
+            names.append(f"unknown_0x{1 << bit:x}")
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class DriverInfo:
+    """What the driver reports about itself."""
+
+    driver_version: str | None
+    nvml_version: str | None
+    cuda_driver_version: int | None  # e.g. 12040 for CUDA 12.4
+    gpu_count: int
+
+
+def driver_info() -> DriverInfo:
+    """Driver and NVML versions and the GPU count. Raises NvmlUnavailable."""
+    count = nvml_query(pynvml.nvmlDeviceGetCount, field="gpu_count")
+    return DriverInfo(
+        driver_version=nvml_query(pynvml.nvmlSystemGetDriverVersion, field="driver_version"),
+        nvml_version=nvml_query(pynvml.nvmlSystemGetNVMLVersion, field="nvml_version"),
+        cuda_driver_version=nvml_query(
+            pynvml.nvmlSystemGetCudaDriverVersion, field="cuda_driver_version"
+        ),
+        gpu_count=count or 0,
+    )
+
+
+def gpu_indices(gpus: Iterable[int] | None) -> list[int]:
+    """``gpus`` checked against NVML's enumeration (all GPUs when None).
+
+    NVML indices follow PCI bus order and ignore CUDA_VISIBLE_DEVICES. Raises
+    NoSuchGpu for an index NVML does not have, NvmlUnavailable without a driver.
+    """
+    count = driver_info().gpu_count
+    if gpus is None:
+        return list(range(count))
+    indices = sorted(set(gpus))
+    for index in indices:
+        if not 0 <= index < count:
+            raise NoSuchGpu(f"GPU {index} not found: NVML sees {count} GPU(s)")
+    return indices
+
+
+class _GpuReader:
+    """Reads one GPU's fields: per-field failures become None plus a note."""
+
+    def __init__(self, index: int, handle: Any, unsupported: dict[str, str]) -> None:
+        self.index = index
+        self.handle = handle
+        self.unsupported = unsupported  # shared by the caller, across GPUs
+        self.missing: set[str] = set()  # fields this GPU does not offer
+        self.errors: dict[str, str] = {}
+
+    def get(self, field: str, func: Callable[..., Any], *args: Any,
+            none_on: Collection[int] = (), fallback: Callable[..., Any] | None = None) -> Any:
+        """One read; ``fallback`` is tried when ``func`` is not in this driver."""
+        local: dict[str, str] = {}
+        try:
+            value = nvml_query(func, *args, field=field, unsupported=local,
+                               gpu=self.index, none_on=none_on)
+            if fallback is not None and local.get(field) == _NOT_IN_DRIVER:
+                local.clear()
+                value = nvml_query(fallback, *args, field=field, unsupported=local,
+                                   gpu=self.index, none_on=none_on)
+        except NvmlCallError as err:
+            self.errors[field] = str(err)
+            return None
+        if local:
+            self.missing.add(field)
+            self.unsupported.setdefault(field, f"{local[field]} (GPU {self.index})")
+        return value
+
+    def dev(self, field: str, func: Callable[..., Any], *args: Any,
+            fallback: Callable[..., Any] | None = None) -> Any:
+        """``get`` for a call that takes the device handle first."""
+        return self.get(field, func, self.handle, *args, fallback=fallback)
+
+    def identity(self) -> tuple[str | None, str | None]:
+        return (self.dev("uuid", pynvml.nvmlDeviceGetUUID),
+                self.dev("name", pynvml.nvmlDeviceGetName))
+
+    def watts(self, field: str, func: Callable[..., Any]) -> float | None:
+        milliwatts = self.dev(field, func)  # nvml.h: all power values are in mW
+        return None if milliwatts is None else milliwatts / 1000.0
+
+    def temperature_c(self) -> int | None:
+        # nvml.h deprecates nvmlDeviceGetTemperature (removal planned for CUDA 14) in
+        # favour of nvmlDeviceGetTemperatureV, which older drivers lack.
+        return self.dev("temperature_c", pynvml.nvmlDeviceGetTemperature,
+                        pynvml.NVML_TEMPERATURE_GPU, fallback=_temperature_v)
+
+    def throttle_reasons(self) -> tuple[str, ...] | None:
+        # R535 renamed "clocks throttle reasons" to "clocks event reasons" (same bits);
+        # older drivers only export the old symbol.
+        mask = self.dev("throttle_reasons", pynvml.nvmlDeviceGetCurrentClocksEventReasons,
+                        fallback=pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+        return None if mask is None else throttle_reason_names(mask)
+
+    def process_memory_bytes(self, pids: Collection[int] | None) -> dict[int, int | None] | None:
+        procs = self.dev("process_memory_bytes", pynvml.nvmlDeviceGetComputeRunningProcesses_v3)
+        if procs is None:
+            return None
+        memory: dict[int, int | None] = {}
+        for proc in procs:
+            if pids is not None and proc.pid not in pids:
+                continue
+            # pynvml turns NVML_VALUE_NOT_AVAILABLE (hidden from us) into None. A
+            # process appears once per MIG instance it uses: add up, unknown if any is.
+            used = proc.usedGpuMemory
+            if proc.pid in memory:
+                before = memory[proc.pid]
+                used = None if before is None or used is None else before + used
+            memory[proc.pid] = used
+        return memory
+
+    def utilization(self) -> tuple[int | None, int | None]:
+        util = self.dev("utilization_gpu_pct", pynvml.nvmlDeviceGetUtilizationRates)
+        return (None, None) if util is None else (util.gpu, util.memory)
+
+
+def _temperature_v(handle: Any, sensor: int) -> int:
+    return int(pynvml.nvmlDeviceGetTemperatureV(handle, sensor))
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One GPU at one instant. None: not offered by this GPU/driver, or the read failed."""
+
+    index: int
+    t_mono_ns: int
+    late_ns: int = 0  # t_mono_ns minus its slot (start + k*interval): lateness as data
+    uuid: str | None = None
+    name: str | None = None
+    utilization_gpu_pct: int | None = None
+    utilization_memory_pct: int | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    temperature_c: int | None = None
+    throttle_reasons: tuple[str, ...] | None = None
+    # Driver-side memory per pid (CUDA context + caching allocator reserve); None
+    # values: the driver does not show that process's memory to us.
+    process_memory_bytes: Mapping[int, int | None] | None = None
+    gpm: Mapping[str, float] | None = None  # GPM_METRIC_IDS names; Hopper+, from 2nd sample
+    lost: bool = False
+    error: str | None = None  # lost reason or failed reads ("field: message; ...")
+
+
+@dataclass
+class _Gpu:
+    index: int
+    handle: Any = None
+    uuid: str | None = None
+    name: str | None = None
+    lost_error: str | None = None
+    gpm_samples: list[Any] | None = None  # [previous, current] nvmlGpmSample_t
+    gpm_primed: bool = False
+    gpm_request: Any = None  # a reused c_nvmlGpmMetricsGet_t (about 19 KiB)
+
+
+class NvmlSampler(Sampler[GpuSample]):
+    """Samples GPUs every ``interval_s`` on a drift-free schedule (start + k*interval).
+
+    No thread: ``poll()`` takes one sample of every GPU when a slot is due, so call
+    it at least once per interval; slots that passed unsampled are counted in
+    ``missed_slots``. A lost GPU yields ``lost=True`` samples and the others go on.
+    Raises NvmlUnavailable from ``start()`` when there is no driver.
+    """
+
+    def __init__(self, gpus: Sequence[int] | None = None, interval_s: float = 1.0,
+                 pids: Iterable[int] | None = None) -> None:
+        super().__init__()
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, not {interval_s}")
+        self._requested = None if gpus is None else list(gpus)
+        self._interval_ns = int(interval_s * 1e9)
+        self._pids: frozenset[int] | None = None if pids is None else frozenset(pids)
+        self._gpus: list[_Gpu] = []
+        self._t0_ns = 0
+        self._next_slot = 0
+        self.missed_slots = 0
+        self.unsupported_fields: dict[str, str] = {}  # field -> reason, over all GPUs
+
+    def set_pids(self, pids: Iterable[int] | None) -> None:
+        """Report process memory for these pids from the next sample on (None: all)."""
+        self._pids = None if pids is None else frozenset(pids)
+
+    @property
+    def gpu_indices(self) -> list[int]:
+        return [gpu.index for gpu in self._gpus]
+
+    def _start(self) -> None:
+        self._gpus = [_Gpu(index) for index in gpu_indices(self._requested)]
+        for gpu in self._gpus:
+            try:
+                gpu.handle = nvml_query(pynvml.nvmlDeviceGetHandleByIndex, gpu.index,
+                                        field="handle", gpu=gpu.index)
+                reader = _GpuReader(gpu.index, gpu.handle, self.unsupported_fields)
+                gpu.uuid, gpu.name = reader.identity()
+                self._start_gpm(gpu, reader)
+            except (GpuLost, NvmlCallError) as err:
+                gpu.lost_error = str(err)  # reported in every sample of this GPU
+        self._t0_ns = monotonic_ns()
+        self._next_slot = 0
+
+    def _start_gpm(self, gpu: _Gpu, reader: _GpuReader) -> None:
+        support = reader.dev("gpm", pynvml.nvmlGpmQueryDeviceSupport)
+        if support is None or not support.isSupportedDevice:
+            self.unsupported_fields.setdefault("gpm", f"not supported (GPU {gpu.index})")
+            return
+        samples = [reader.get("gpm", pynvml.nvmlGpmSampleAlloc) for _ in range(2)]
+        if None in samples:
+            self._free_gpm(samples)
+            return
+        gpu.gpm_samples = samples
+        request = pynvml.c_nvmlGpmMetricsGet_t()
+        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRIC_IDS)
+        for i, metric_id in enumerate(GPM_METRIC_IDS.values()):
+            request.metrics[i].metricId = metric_id
+        gpu.gpm_request = request
+
+    def _poll(self) -> list[GpuSample]:
+        now_ns = monotonic_ns()
+        due_slot = (now_ns - self._t0_ns) // self._interval_ns
+        if due_slot < self._next_slot:
+            return []
+        self.missed_slots += due_slot - self._next_slot
+        self._next_slot = due_slot + 1
+        slot_ns = self._t0_ns + due_slot * self._interval_ns
+        return [self._sample(gpu, slot_ns) for gpu in self._gpus]
+
+    def _sample(self, gpu: _Gpu, slot_ns: int) -> GpuSample:
+        t_ns = monotonic_ns()
+        late_ns = t_ns - slot_ns
+        if gpu.lost_error is not None:
+            return GpuSample(gpu.index, t_ns, late_ns, gpu.uuid, gpu.name, lost=True,
+                             error=gpu.lost_error)
+        r = _GpuReader(gpu.index, gpu.handle, self.unsupported_fields)
+        try:
+            util_gpu, util_mem = r.utilization()
+            memory = r.dev("memory_used_bytes", pynvml.nvmlDeviceGetMemoryInfo)
+            sample = GpuSample(
+                gpu.index, t_ns, late_ns, gpu.uuid, gpu.name,
+                utilization_gpu_pct=util_gpu,
+                utilization_memory_pct=util_mem,
+                memory_used_bytes=None if memory is None else memory.used,
+                memory_total_bytes=None if memory is None else memory.total,
+                power_w=r.watts("power_w", pynvml.nvmlDeviceGetPowerUsage),
+                power_limit_w=r.watts("power_limit_w", pynvml.nvmlDeviceGetEnforcedPowerLimit),
+                sm_clock_mhz=r.dev("sm_clock_mhz", pynvml.nvmlDeviceGetClockInfo,
+                                   pynvml.NVML_CLOCK_SM),
+                mem_clock_mhz=r.dev("mem_clock_mhz", pynvml.nvmlDeviceGetClockInfo,
+                                    pynvml.NVML_CLOCK_MEM),
+                temperature_c=r.temperature_c(),
+                throttle_reasons=r.throttle_reasons(),
+                process_memory_bytes=r.process_memory_bytes(self._pids),
+                gpm=self._read_gpm(gpu, r),
+                error="; ".join(r.errors.values()) or None,
+            )
+        except GpuLost as err:
+            # nvml.h: a lost GPU stays lost until reset; later samples say so cheaply.
+            gpu.lost_error = str(err)
+            return GpuSample(gpu.index, t_ns, late_ns, gpu.uuid, gpu.name, lost=True,
+                             error=gpu.lost_error)
+        return sample
+
+    def _read_gpm(self, gpu: _Gpu, r: _GpuReader) -> dict[str, float] | None:
+        if gpu.gpm_samples is None:
+            return None
+        previous, current = gpu.gpm_samples
+        if r.dev("gpm", pynvml.nvmlGpmSampleGet, current) is None:
+            return None
+        gpu.gpm_samples = [current, previous]
+        if not gpu.gpm_primed:  # GPM metrics are rates between two samples
+            gpu.gpm_primed = True
+            return None
+        request = gpu.gpm_request
+        request.sample1, request.sample2 = previous, current
+        if r.get("gpm", pynvml.nvmlGpmMetricsGet, request) is None:
+            return None
+        return {
+            name: float(request.metrics[i].value)
+            for i, name in enumerate(GPM_METRIC_IDS)
+            if request.metrics[i].nvmlReturn == pynvml.NVML_SUCCESS
+        }
+
+    @staticmethod
+    def _free_gpm(samples: Iterable[Any]) -> None:
+        for sample in samples:
+            if sample is not None:
+                try:
+                    nvml_query(pynvml.nvmlGpmSampleFree, sample, field="gpm")
+                except ProbeError:
+                    pass  # freeing on a lost GPU may fail; nothing else to do
+
+    def _close(self) -> None:
+        for gpu in self._gpus:
+            if gpu.gpm_samples is not None:
+                self._free_gpm(gpu.gpm_samples)
+                gpu.gpm_samples = None
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """An XID (driver-reported GPU error) seen by :class:`XidEventWatcher`."""
+
+    gpu_index: int | None  # None: the event named a device we did not register
+    xid: int
+    # When poll() received it: NVML events carry no timestamp (nvmlEventData_t).
+    t_mono_ns: int
+
+
+class XidEventWatcher(Sampler[XidEvent]):
+    """XID critical-error events from NVML, polled without blocking (timeout 0).
+
+    Only events raised after ``start()`` are seen. GPUs whose driver refuses the
+    registration are left out of ``registered_gpus`` (reason in
+    ``unsupported_fields``).
+    """
+
+    def __init__(self, gpus: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self._requested = None if gpus is None else list(gpus)
+        self._event_set: Any = None
+        self._index_by_handle: dict[int | None, int] = {}
+        self.registered_gpus: frozenset[int] = frozenset()
+        self.unsupported_fields: dict[str, str] = {}
+        self.errors: list[str] = []
+
+    def _start(self) -> None:
+        indices = gpu_indices(self._requested)
+        self._event_set = nvml_query(pynvml.nvmlEventSetCreate, field="xid_events",
+                                     unsupported=self.unsupported_fields)
+        if self._event_set is None:
+            return
+        for index in indices:
+            local: dict[str, str] = {}
+            try:
+                handle = nvml_query(pynvml.nvmlDeviceGetHandleByIndex, index,
+                                    field="handle", gpu=index)
+                nvml_query(pynvml.nvmlDeviceRegisterEvents, handle,
+                           pynvml.nvmlEventTypeXidCriticalError, self._event_set,
+                           field="xid_events", unsupported=local, gpu=index)
+            except (GpuLost, NvmlCallError) as err:
+                self.errors.append(str(err))
+                continue
+            if local:
+                self.unsupported_fields.setdefault("xid_events",
+                                                   f"{local['xid_events']} (GPU {index})")
+                continue
+            self._index_by_handle[ctypes.cast(handle, ctypes.c_void_p).value] = index
+        self.registered_gpus = frozenset(self._index_by_handle.values())
+
+    def _poll(self) -> list[XidEvent]:
+        if self._event_set is None:
+            return []
+        events: list[XidEvent] = []
+        for _ in range(_MAX_EVENTS_PER_POLL):
+            try:
+                data = nvml_query(pynvml.nvmlEventSetWait_v2, self._event_set, 0,
+                                  field="xid_events", none_on={pynvml.NVML_ERROR_TIMEOUT})
+            except (GpuLost, NvmlCallError) as err:
+                self.errors.append(str(err))
+                break
+            if data is None:  # TIMEOUT: nothing pending
+                break
+            if data.eventType != pynvml.nvmlEventTypeXidCriticalError:
+                continue
+            handle = ctypes.cast(data.device, ctypes.c_void_p).value
+            events.append(XidEvent(self._index_by_handle.get(handle), int(data.eventData),
+                                   monotonic_ns()))
+        return events
+
+    def _close(self) -> None:
+        if self._event_set is not None:
+            try:
+                nvml_query(pynvml.nvmlEventSetFree, self._event_set, field="xid_events")
+            except ProbeError:
+                pass  # the set dies with the process anyway
+            self._event_set = None
+
+
+@dataclass(frozen=True)
+class GpuHealthReadings:
+    """One reading of everything a health check judges. None: not offered or failed."""
+
+    index: int
+    uuid: str | None = None
+    name: str | None = None
+    pci_bus_id: str | None = None
+    temperature_c: int | None = None
+    temperature_slowdown_c: int | None = None
+    temperature_shutdown_c: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    power_default_limit_w: float | None = None
+    utilization_gpu_pct: int | None = None
+    throttle_reasons: tuple[str, ...] | None = None
+    ecc_volatile_corrected: int | None = None
+    ecc_volatile_uncorrected: int | None = None
+    ecc_aggregate_corrected: int | None = None
+    ecc_aggregate_uncorrected: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_corrected: int | None = None
+    remapped_rows_uncorrected: int | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failure: bool | None = None
+    pcie_link_width: int | None = None
+    pcie_link_width_max: int | None = None
+    pcie_link_gen: int | None = None
+    pcie_link_gen_max: int | None = None
+    nvlink_active: Mapping[int, bool] | None = None  # link number -> active
+    process_memory_bytes: Mapping[int, int | None] | None = None  # every compute process
+    unsupported: frozenset[str] = frozenset()  # fields this GPU or driver does not offer
+    errors: Mapping[str, str] = field(default_factory=dict)  # field -> failed read
+    lost: bool = False
+    error: str | None = None
+
+
+def read_gpu_health(index: int, unsupported: dict[str, str] | None = None) -> GpuHealthReadings:
+    """Read GPU ``index`` once for a health check (about 60 NVML calls).
+
+    A lost GPU gives ``lost=True``; other per-field failures are in ``errors``.
+    Raises NvmlUnavailable without a driver.
+    """
+    notes: dict[str, str] = {} if unsupported is None else unsupported
+    try:
+        handle = nvml_query(pynvml.nvmlDeviceGetHandleByIndex, index, field="handle", gpu=index)
+        r = _GpuReader(index, handle, notes)
+        uuid, name = r.identity()
+    except (GpuLost, NvmlCallError) as err:
+        return GpuHealthReadings(index, lost=True, error=str(err))
+    try:
+        return _read_health(r, uuid, name)
+    except GpuLost as err:
+        return GpuHealthReadings(index, uuid, name, lost=True, error=str(err))
+
+
+def _read_health(r: _GpuReader, uuid: str | None, name: str | None) -> GpuHealthReadings:
+    def threshold(field_name: str, kind: int) -> int | None:
+        return r.dev(field_name, pynvml.nvmlDeviceGetTemperatureThreshold, kind)
+
+    def ecc(field_name: str, error_type: int, counter: int) -> int | None:
+        return r.dev(field_name, pynvml.nvmlDeviceGetTotalEccErrors, error_type, counter)
+
+    pci = r.dev("pci_bus_id", pynvml.nvmlDeviceGetPciInfo_v3)
+    pending = r.dev("retired_pages_pending", pynvml.nvmlDeviceGetRetiredPagesPendingStatus)
+    remap = r.dev("remapped_rows", pynvml.nvmlDeviceGetRemappedRows)
+    corrected, uncorrected = pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, \
+        pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    volatile, aggregate = pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC
+    return GpuHealthReadings(
+        r.index, uuid, name,
+        pci_bus_id=None if pci is None else _text(pci.busId),
+        temperature_c=r.temperature_c(),
+        temperature_slowdown_c=threshold("temperature_slowdown_c",
+                                         pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+        temperature_shutdown_c=threshold("temperature_shutdown_c",
+                                         pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+        power_w=r.watts("power_w", pynvml.nvmlDeviceGetPowerUsage),
+        power_limit_w=r.watts("power_limit_w", pynvml.nvmlDeviceGetEnforcedPowerLimit),
+        power_default_limit_w=r.watts("power_default_limit_w",
+                                      pynvml.nvmlDeviceGetPowerManagementDefaultLimit),
+        utilization_gpu_pct=r.utilization()[0],
+        throttle_reasons=r.throttle_reasons(),
+        ecc_volatile_corrected=ecc("ecc_volatile_corrected", corrected, volatile),
+        ecc_volatile_uncorrected=ecc("ecc_volatile_uncorrected", uncorrected, volatile),
+        ecc_aggregate_corrected=ecc("ecc_aggregate_corrected", corrected, aggregate),
+        ecc_aggregate_uncorrected=ecc("ecc_aggregate_uncorrected", uncorrected, aggregate),
+        retired_pages_pending=None if pending is None else bool(pending),
+        remapped_rows_corrected=None if remap is None else remap[0],
+        remapped_rows_uncorrected=None if remap is None else remap[1],
+        remapped_rows_pending=None if remap is None else bool(remap[2]),
+        remapped_rows_failure=None if remap is None else bool(remap[3]),
+        pcie_link_width=r.dev("pcie_link_width", pynvml.nvmlDeviceGetCurrPcieLinkWidth),
+        pcie_link_width_max=r.dev("pcie_link_width_max", pynvml.nvmlDeviceGetMaxPcieLinkWidth),
+        pcie_link_gen=r.dev("pcie_link_gen", pynvml.nvmlDeviceGetCurrPcieLinkGeneration),
+        # The maximum this GPU *and this slot* allow, not the GPU's alone.
+        pcie_link_gen_max=r.dev("pcie_link_gen_max", pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
+        nvlink_active=_nvlink_active(r),
+        process_memory_bytes=r.process_memory_bytes(None),
+        unsupported=frozenset(r.missing),
+        errors=dict(r.errors),
+    )
+
+
+def _nvlink_active(r: _GpuReader) -> dict[int, bool] | None:
+    # Links may be sparse (boards wire a subset), and a link number the GPU lacks
+    # answers INVALID_ARGUMENT or NOT_SUPPORTED: try all NVML_NVLINK_MAX_LINKS.
+    absent = {pynvml.NVML_ERROR_INVALID_ARGUMENT, pynvml.NVML_ERROR_NOT_SUPPORTED}
+    states: dict[int, bool] = {}
+    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        state = r.get("nvlink_active", pynvml.nvmlDeviceGetNvLinkState, r.handle, link,
+                      none_on=absent)
+        if state is not None:
+            states[link] = bool(state)
+    if not states and "nvlink_active" not in r.errors:
+        r.missing.add("nvlink_active")
+        r.unsupported.setdefault("nvlink_active", f"not supported (GPU {r.index})")
+        return None
+    return states or None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

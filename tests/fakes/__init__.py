@@ -1,0 +1,1 @@
+"""Fakes at the lowest level only: C libraries with the real ABI (see build.py)."""
