@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from perfmon.agent.flops_report import FLOPS_EPILOG, add_flops_arguments, flops_main
+from perfmon.agent.health import HEALTH_DESCRIPTION, add_health_arguments, health_main
 from perfmon.agent.session import AttachOptions, MonitorSession
 from perfmon.agent.summary import summary_from_records, write_json_atomic
 from perfmon.parsers.errors import EventLogError, PerfmonError
@@ -107,6 +109,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the summary (default: perf_summary_<ts>.json beside the log)",
     )
     summarize.add_argument("--json", action="store_true", help="print the summary to stdout")
+
+    flops = sub.add_parser(
+        "flops",
+        help="print model FLOPs per iteration and per token, with their breakdown",
+        description="Model FLOPs as Megatron-LM's num_floating_point_operations counts them.",
+        epilog=FLOPS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_flops_arguments(flops)
+
+    health = sub.add_parser(
+        "health", help="check each GPU (driver, temperature, ECC, XID, throttling, links)",
+        description=HEALTH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_health_arguments(health)
     return parser
 
 
@@ -185,7 +203,8 @@ def _summarize(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"attach": _attach, "summarize": _summarize}
+COMMANDS = {"attach": _attach, "summarize": _summarize, "flops": flops_main,
+            "health": health_main}
 
 
 def main(argv: list[str] | None = None) -> int:

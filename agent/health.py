@@ -18,7 +18,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from perfmon.parsers.errors import PerfmonError
 from perfmon.probes.nvml import (
     GpuHealthReadings,
     GpuSample,
@@ -470,11 +469,7 @@ def add_health_arguments(parser: argparse.ArgumentParser) -> None:
 
 def health_main(args: argparse.Namespace) -> int:
     """Run the check from parsed arguments, print it; return the exit status."""
-    try:
-        report = run_health_check(args.gpus, args.window, set(args.pids or ()))
-    except PerfmonError as err:
-        print(f"perfmon-agent health: {err}", file=sys.stderr)
-        return err.exit_code
+    report = run_health_check(args.gpus, args.window, set(args.pids or ()))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -500,13 +495,7 @@ def _print_table(report: HealthReport) -> None:
     Console().print(table)
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="perfmon-agent health", description=HEALTH_DESCRIPTION,
-                                     epilog=HEALTH_EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_health_arguments(parser)
-    return health_main(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    from perfmon.agent.cli import main
+
+    sys.exit(main(["health", *sys.argv[1:]]))

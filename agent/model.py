@@ -17,7 +17,11 @@ from perfmon.agent.aggregate import Workload
 from perfmon.parsers.errors import ModelConfigError
 from perfmon.parsers.flops import model_flops_per_iteration
 from perfmon.parsers.hf_config import hf_config_to_fields
-from perfmon.parsers.megatron_args import hf_config_locations, parse_megatron_cmdline
+from perfmon.parsers.megatron_args import (
+    cmdline_batch_fields,
+    hf_config_locations,
+    parse_megatron_cmdline,
+)
 from perfmon.parsers.model_config import (
     ModelConfig,
     merge_model_fields,
@@ -80,7 +84,8 @@ def resolve_model(
     # A preset is a typical shape: what the job itself says (its command line,
     # its config.json) beats it, and only the user's own file beats the job.
     layers = [layer for layer in explicit if not layer[0].startswith("preset:")]
-    cmdline_fields = parse_megatron_cmdline(target.cmdline)
+    cmdline_fields = {**cmdline_batch_fields(target.cmdline),
+                      **parse_megatron_cmdline(target.cmdline)}
     if cmdline_fields:
         layers.append(("cmdline", cmdline_fields))
     hf, location = _hf_fields(target)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,13 +44,22 @@ def ebpf() -> None:
 
 
 def _reap(proc: subprocess.Popen) -> None:
-    """Kill a process we started (and its process group) and wait for it."""
-    if proc.poll() is None:
+    """Kill a process we started with all its descendants, and wait for them.
+
+    Process groups are not enough: torchrun starts its workers in sessions of
+    their own, so the tree is walked before anything is killed.
+    """
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            p.kill()
+        except psutil.NoSuchProcess:
             pass
     proc.wait(timeout=30)
+    psutil.wait_procs(tree[1:], timeout=30)
 
 
 class Target:

@@ -149,3 +149,18 @@ def _all_done(summary, target) -> bool:
     info = summary["session_info"]
     truth = [t for _, t in target.timestamps() if t >= info["attach_monotonic_ns"]]
     return len(truth) > 0 and info["total_iterations"] == len(truth)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_ends_the_session_cleanly(start_target, agent, out_dir, signum):
+    target = start_target()
+    proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir))
+    wait_for(lambda: (s := _try_summary(out_dir)) and s["session_info"]["total_iterations"] > 20,
+             timeout_s=30, what="iterations in the live summary")
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    info = load_summary(out_dir)["session_info"]
+    assert info["end_reason"] == signum.name and info["end_time"] is not None
+    assert target.proc.poll() is None  # the job goes on
+    assert "summary:" in out

@@ -211,7 +211,7 @@ def test_no_driver_is_one_line_and_exit_5(fake_nvml: FakeNvml, tmp_path: Path,
     code, out, stderr = health(fake_nvml, tmp_path, scenario)
     assert (code, out) == (5, "")
     assert stderr.count("\n") == 1 and "Traceback" not in stderr
-    assert stderr.startswith("perfmon-agent health: ") and words in stderr
+    assert stderr.startswith("perfmon-agent: error: ") and words in stderr
 
 
 def test_no_nvml_library_is_one_line_and_exit_5(tmp_path: Path) -> None:
@@ -220,7 +220,7 @@ def test_no_nvml_library_is_one_line_and_exit_5(tmp_path: Path) -> None:
     empty = FakeNvml(tmp_path)  # a directory without the library
     done = empty.run(["-m", "perfmon.agent.health", "--json"], None)
     assert (done.returncode, done.stdout) == (5, "")
-    assert done.stderr == ("perfmon-agent health: NVML unavailable "
+    assert done.stderr == ("perfmon-agent: error: NVML unavailable "
                            "(NVML_ERROR_LIBRARY_NOT_FOUND): libnvidia-ml.so.1 not found; "
                            "is the NVIDIA driver installed?\n")
 
@@ -229,7 +229,7 @@ def test_a_gpu_index_nvml_lacks_is_one_line_and_exit_3(
         fake_nvml: FakeNvml, tmp_path: Path) -> None:
     code, out, stderr = health(fake_nvml, tmp_path, "count=2\n", "--gpus", "0,5")
     assert (code, out) == (3, "")
-    assert stderr == "perfmon-agent health: GPU 5 not found: NVML sees 2 GPU(s)\n"
+    assert stderr == "perfmon-agent: error: GPU 5 not found: NVML sees 2 GPU(s)\n"
 
 
 def test_json_of_a_troubled_machine_validates_against_the_schema(
