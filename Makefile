@@ -62,15 +62,15 @@ setup-venv: $(PY)
 
 demo: setup
 	@mkdir -p $(DEMO_OUT)
-	@set -euo pipefail; \
-	$(PY) tests/targets/train_gpt.py --num-layers 4 --hidden-size 256 --num-attention-heads 8 \
-	  --seq-length 128 --micro-batch-size 4 --grad-accum 2 --vocab-size 1024 \
+	@printf '%s\n' "global_batch_size: 8" > $(DEMO_OUT)/model.yaml
+	@$(PY) tests/targets/train_gpt.py --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
+	  --seq-length 128 --vocab-size 1024 --micro-batch-size 4 --grad-accum 2 \
 	  > $(DEMO_OUT)/train.log 2>&1 & train=$$!; \
-	trap 'kill $$train 2>/dev/null; wait $$train 2>/dev/null' EXIT; \
-	for i in $$(seq 100); do grep -q training $(DEMO_OUT)/train.log 2>/dev/null && break; sleep 0.2; done; \
-	printf 'num_layers: 4\nhidden_size: 256\nnum_attention_heads: 8\nseq_length: 128\nvocab_size: 1024\nmicro_batch_size: 4\nglobal_batch_size: 8\n' > $(DEMO_OUT)/model.yaml; \
+	for i in $$(seq 300); do grep -q training $(DEMO_OUT)/train.log 2>/dev/null && break; sleep 0.2; done; \
+	echo "demo training job: pid $$train (model dimensions from its command line, batch from $(DEMO_OUT)/model.yaml)"; \
 	$(VENV)/bin/perfmon-agent attach --pid $$train --model-config $(DEMO_OUT)/model.yaml \
-	  --duration $(DEMO_SECONDS) --log-interval 20 --output-dir $(DEMO_OUT)
+	  --duration $(DEMO_SECONDS) --log-interval 25 --output-dir $(DEMO_OUT); rc=$$?; \
+	kill $$train 2>/dev/null; wait $$train 2>/dev/null; exit $$rc
 
 lint:
 	$(VENV)/bin/ruff check .
