@@ -27,6 +27,7 @@ class Workload:
     """What one iteration computes; None where unknown."""
 
     flops_per_sample: float | None = None
+    hardware_flops_per_sample: float | None = None  # with recomputation; None without
     seq_length: int | None = None
     global_batch_size: int | None = None  # as given; else derived per iteration
     micro_batch_size: int | None = None
@@ -216,6 +217,13 @@ class StepAggregator:
         wall = self.start_wall_s + (t_mono_ns - self.start_t_mono_ns) / 1e9
         return datetime.fromtimestamp(wall, timezone.utc).astimezone().isoformat()
 
+    def _hardware_tflops(self, model_tflops: float | None) -> float | None:
+        """Model TFLOPS scaled by what recomputation adds; None without recomputation."""
+        w = self.workload
+        if model_tflops is None or not w.hardware_flops_per_sample or not w.flops_per_sample:
+            return None
+        return model_tflops * w.hardware_flops_per_sample / w.flops_per_sample
+
     def final_statistics(self) -> dict[str, Any]:
         steps_ms = sorted(ns / 1e6 for ns in self._step_ns)
         samples_s, tokens_s, tflops = self._totals.rates(self.workload.world_size)
@@ -236,5 +244,6 @@ class StepAggregator:
                 int(statistics.median_low(self._microbatches)) if self._microbatches else None
             ),
             "mfu": tflops / peak if tflops is not None and peak else None,
+            "avg_hardware_tflops_per_gpu": self._hardware_tflops(tflops),
             "lost_events": self.lost_events,
         }

@@ -97,9 +97,14 @@ def resolve_model(
     if not used:
         return None, description
     merged = merge_model_fields(*(fields for _, fields in layers))
+    # Which source gave each field, so the summary says what was given and by whom.
+    description["field_sources"] = {
+        key: next(name for name, fields in layers if fields.get(key) is not None)
+        for key in merged
+    }
     if "seq_length" not in merged and "max_position_embeddings" in merged:
         merged["seq_length"] = merged["max_position_embeddings"]
-        description["seq_length_from"] = "max_position_embeddings"
+        description["field_sources"]["seq_length"] = "max_position_embeddings"
     return model_config_from_mapping(merged, source=description["source"]), description
 
 
@@ -123,6 +128,9 @@ def build_workload(
     flops_per_sample = model_flops_per_iteration(cfg, 1)
     workload = Workload(
         flops_per_sample=flops_per_sample.total,
+        hardware_flops_per_sample=(
+            flops_per_sample.hardware_total if cfg.recompute_granularity else None
+        ),
         seq_length=cfg.seq_length,
         global_batch_size=cfg.global_batch_size,
         micro_batch_size=cfg.micro_batch_size,
@@ -139,6 +147,11 @@ def build_workload(
         "flops_per_sample": flops_per_sample.total,
         "flops_per_iteration": (
             flops_per_sample.total * cfg.global_batch_size if cfg.global_batch_size else None
+        ),
+        # Activation recomputation repeats forward passes: more work for the
+        # hardware, the same model FLOPs (docs/flops.md).
+        "hardware_flops_per_sample": (
+            flops_per_sample.hardware_total if cfg.recompute_granularity else None
         ),
         "flops_breakdown_per_sample": {
             "attention": flops_per_sample.attention,

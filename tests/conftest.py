@@ -97,13 +97,15 @@ class Target:
 def start_target(tmp_path: Path) -> Iterator:
     started: list[subprocess.Popen] = []
 
-    def start(*args: str, script: Path = TRAIN_GPT, warm_iterations: int = 2) -> Target:
+    def start(*args: str, script: Path = TRAIN_GPT, warm_iterations: int = 2,
+              cwd: Path | None = None) -> Target:
         stamps = tmp_path / f"stamps_{len(started)}.txt"
         proc = subprocess.Popen(
             [sys.executable, str(script), "--timestamps", str(stamps), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group, so reaping takes its children
+            start_new_session=True,
+            cwd=cwd,
         )
         started.append(proc)
         target = Target(proc, stamps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -66,3 +67,27 @@ def test_megatron_style_command_line_gives_the_model_with_no_config_file(
     assert stats["avg_tokens_per_sec"] == pytest.approx(
         4 * 32 / (stats["avg_step_time_ms"] / 1e3), rel=0.01)
     assert stats["avg_tflops_per_gpu"] > 0
+
+
+def test_hugging_face_config_named_on_the_command_line_gives_the_model(
+    agent, start_target, out_dir, tmp_path
+):
+    model_dir = tmp_path / "job" / "tiny-gpt2"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_layer": 3, "n_embd": 96, "n_head": 4, "vocab_size": 256,
+         "n_positions": 64}))
+    # A relative path: the agent resolves it against the job's own working directory.
+    target = start_target("--model_name_or_path", "tiny-gpt2", "--per_device_train_batch_size",
+                          "2", "--max_seq_length", "32", cwd=tmp_path / "job")
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "3",
+                    "--output-dir", str(out_dir))
+    assert run.returncode == 0, run.stderr
+    model = load_summary(out_dir)["session_info"]["model"]
+    assert model["source"] == "cmdline+hf_config:tiny-gpt2"
+    dims = model["dimensions"]
+    assert (dims["num_layers"], dims["hidden_size"], dims["num_attention_heads"]) == (3, 96, 4)
+    assert dims["seq_length"] == 32 and dims["micro_batch_size"] == 2
+    assert model["field_sources"]["hidden_size"] == "hf_config:tiny-gpt2"
+    assert model["field_sources"]["seq_length"] == "cmdline"
+    assert model["global_batch_size"].startswith("derived")

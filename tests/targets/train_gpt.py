@@ -10,10 +10,12 @@ data loader, or stall forever inside a named function.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -78,9 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--ffn-hidden-size", type=int, default=None)
-    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--seq-length", "--max_seq_length", type=int, default=64)
     p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--micro-batch-size", "--per_device_train_batch_size", type=int, default=4)
+    p.add_argument("--model_name_or_path", help="a folder whose config.json (GPT-2 keys: n_layer, "
+                   "n_embd, n_head, vocab_size) gives the model, as in Hugging Face scripts")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--train-iters", type=int, default=0, help="0: train until killed")
     p.add_argument("--after-train", choices=["exit", "sleep"], default="exit",
@@ -92,7 +96,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def apply_hf_config(args: argparse.Namespace) -> None:
+    config = json.loads((Path(args.model_name_or_path) / "config.json").read_text())
+    args.num_layers, args.hidden_size = config["n_layer"], config["n_embd"]
+    args.num_attention_heads, args.vocab_size = config["n_head"], config["vocab_size"]
+
+
 def train(args: argparse.Namespace) -> None:
+    if args.model_name_or_path:
+        apply_hf_config(args)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
