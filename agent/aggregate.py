@@ -63,6 +63,10 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _scaled(value: float | None, factor: float) -> float | None:
+    return value * factor if value is not None else None
+
+
 def _percentile(sorted_values: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not sorted_values:
@@ -105,6 +109,44 @@ class _Totals:
         )
 
 
+class _Series:
+    """Samples of one quantity over time: window means for intervals, a whole-run mean and max.
+
+    Only samples from the current interval on are kept (intervals arrive in
+    order), so a week-long session holds a few seconds of samples.
+    """
+
+    def __init__(self) -> None:
+        self._recent: list[tuple[int, float]] = []
+        self.total = 0.0
+        self.count = 0
+        self.peak: float | None = None
+
+    def add(self, t_ns: int, value: float, peak: float | None = None) -> None:
+        if self._recent and self._recent[-1][0] == t_ns:  # several ranks at one instant
+            value = max(value, self._recent[-1][1])
+            self.total -= self._recent[-1][1]
+            self.count -= 1
+            self._recent[-1] = (t_ns, value)
+        else:
+            self._recent.append((t_ns, value))
+        self.total += value
+        self.count += 1
+        self.peak = max(value, peak or value, self.peak if self.peak is not None else value)
+
+    def window_mean(self, t_from: int, t_to: int) -> float | None:
+        """Mean of the samples in [t_from, t_to]; the latest before t_to when there are none."""
+        window = [v for t, v in self._recent if t_from <= t <= t_to]
+        if not window:
+            window = [v for t, v in self._recent if t <= t_to][-1:]
+        self._recent = [m for m in self._recent if m[0] >= t_to] or self._recent[-1:]
+        return _mean(window)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
 @dataclass
 class StepAggregator:
     workload: Workload
@@ -125,8 +167,18 @@ class StepAggregator:
     _last_end_ns: int | None = None
     _backwards_since_end: int = 0
     _backward_seen: bool = False
-    _memory: list[tuple[int, int]] = field(default_factory=list)  # (t, max rss over ranks)
-    _peak_rss_bytes: int | None = None
+    # Job figures over time: the largest rank's RSS and GPU memory (bytes), and the
+    # mean utilization (%) and power (W) of the job's GPUs.
+    _series: dict[str, _Series] = field(
+        default_factory=lambda: {k: _Series() for k in ("rss", "gpu_memory", "gpu_util",
+                                                         "gpu_power")})
+    _job_gpus: set[int] = field(default_factory=set)
+    _throttle: dict[str, int] = field(default_factory=dict)  # reason -> samples, whole run
+    _interval_throttle: set[str] = field(default_factory=set)
+    _rank_peaks: dict[int, dict[str, int]] = field(default_factory=dict)  # pid -> name -> bytes
+    _rank_gpus: dict[int, list[int]] = field(default_factory=dict)
+    _lost_gpus: set[int] = field(default_factory=set)
+    gpu_events: list[dict[str, Any]] = field(default_factory=list)  # xid, ecc, lost
 
     def feed(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one record; return the iteration_logs entries it completed."""
@@ -137,14 +189,13 @@ class StepAggregator:
                 return []
             return self._on_marker(record["kind"], record["t_mono_ns"])
         if kind == "process":
-            t, rss = record["t_mono_ns"], record["rss_bytes"]
-            if self._memory and self._memory[-1][0] == t:
-                self._memory[-1] = (t, max(rss, self._memory[-1][1]))
-            else:
-                self._memory.append((t, rss))
-            self._peak_rss_bytes = max(
-                rss, record.get("peak_rss_bytes") or 0, self._peak_rss_bytes or 0
-            )
+            rss, peak = record["rss_bytes"], record.get("peak_rss_bytes")
+            self._series["rss"].add(record["t_mono_ns"], rss, peak)
+            self._rank_peak(record["pid"], "rss_bytes", max(rss, peak or 0))
+        elif kind == "gpu":
+            self._on_gpu(record["t_mono_ns"], record["gpus"])
+        elif kind in ("xid", "ecc"):
+            self.gpu_events.append({**record, "timestamp": self.wall_time(record["t_mono_ns"])})
         elif kind == "lost":
             self.lost_events += record["count"]
         elif kind == "session_end":
@@ -184,17 +235,61 @@ class StepAggregator:
         self.iteration_logs.append(entry)
         return [entry]
 
-    def _memory_gb(self, t_from: int, t_to: int) -> float | None:
-        """Mean RSS of the largest rank over samples in the window, in GB (1e9 bytes).
+    def _on_gpu(self, t_ns: int, gpus: list[dict[str, Any]]) -> None:
+        """One NVML sample of every GPU: GPU memory per rank, utilization, power, throttling.
 
-        An interval shorter than the sampling period takes the latest sample
-        before its end. Older samples are dropped: intervals arrive in order.
+        The job's GPUs are those where NVML shows one of its processes; when it
+        shows none (a container's PID namespace), every GPU counts as the job's.
         """
-        window = [rss for t, rss in self._memory if t_from <= t <= t_to]
-        if not window:
-            window = [rss for t, rss in self._memory if t <= t_to][-1:]
-        self._memory = [m for m in self._memory if m[0] >= t_to] or self._memory[-1:]
-        return _mean([rss / 1e9 for rss in window])
+        per_rank: dict[int, int] = {}
+        for g in gpus:
+            if g["lost"] and g["index"] not in self._lost_gpus:
+                self._lost_gpus.add(g["index"])
+                self.gpu_events.append({"type": "gpu_lost", "gpu_index": g["index"],
+                                        "t_mono_ns": t_ns, "timestamp": self.wall_time(t_ns),
+                                        "error": g["error"]})
+            for pid, used in (g.get("process_memory_bytes") or {}).items():
+                if used is not None:
+                    per_rank[int(pid)] = per_rank.get(int(pid), 0) + used
+                    self._job_gpus.add(g["index"])
+                    gpus_of_rank = self._rank_gpus.setdefault(int(pid), [])
+                    if g["index"] not in gpus_of_rank:
+                        gpus_of_rank.append(g["index"])
+        for pid, used in per_rank.items():
+            self._rank_peak(pid, "gpu_memory_bytes", used)
+        if per_rank:
+            self._series["gpu_memory"].add(t_ns, max(per_rank.values()))
+        mine = [g for g in gpus if not g["lost"]
+                and (g["index"] in self._job_gpus or not self._job_gpus)]
+        util = [g["utilization_gpu_pct"] for g in mine if g["utilization_gpu_pct"] is not None]
+        power = [g["power_w"] for g in mine if g["power_w"] is not None]
+        if util:
+            self._series["gpu_util"].add(t_ns, sum(util) / len(util))
+        if power:
+            self._series["gpu_power"].add(t_ns, sum(power) / len(power))
+        for g in mine:
+            for reason in g["throttle_reasons"] or []:
+                self._throttle[reason] = self._throttle.get(reason, 0) + 1
+                self._interval_throttle.add(reason)
+
+    def _rank_peak(self, pid: int, name: str, value: int) -> None:
+        peaks = self._rank_peaks.setdefault(pid, {})
+        peaks[name] = max(value, peaks.get(name, 0))
+
+    def _ranks(self) -> list[dict[str, Any]]:
+        """Per-rank peaks in GB, and the GPUs NVML saw each rank on."""
+        return [
+            {"pid": pid,
+             "peak_rss_gb": _scaled(peaks.get("rss_bytes"), 1e-9),
+             "peak_gpu_memory_gb": _scaled(peaks.get("gpu_memory_bytes"), 1e-9),
+             "gpu_indices": self._rank_gpus.get(pid, [])}
+            for pid, peaks in sorted(self._rank_peaks.items())
+        ]
+
+    def _memory_bytes_series(self) -> _Series:
+        """GPU memory for GPU jobs, resident memory otherwise."""
+        gpu = self._series["gpu_memory"]
+        return gpu if gpu.count else self._series["rss"]
 
     def _interval_entry(self, its: list[Iteration]) -> dict[str, Any]:
         last = its[-1]
@@ -202,6 +297,11 @@ class StepAggregator:
         for it in its:
             totals.add(it)
         samples_s, tokens_s, tflops = totals.rates(self.workload.world_size)
+        start, end = last.end_t_mono_ns - totals.step_ns, last.end_t_mono_ns
+        memory = self._memory_bytes_series()
+        for name in ("rss", "gpu_memory"):
+            if self._series[name] is not memory:
+                self._series[name].window_mean(start, end)  # keep its samples pruned too
         return {
             "iteration": last.number,
             "timestamp": self.wall_time(last.end_t_mono_ns),
@@ -209,7 +309,19 @@ class StepAggregator:
             "TFLOPS_per_GPU": tflops,
             "tokens_per_sec": tokens_s,
             "samples_per_sec": samples_s,
-            "memory_GB": self._memory_gb(last.end_t_mono_ns - totals.step_ns, last.end_t_mono_ns),
+            "memory_GB": _scaled(memory.window_mean(start, end), 1e-9),
+            **self._interval_gpu(start, end),
+        }
+
+    def _interval_gpu(self, start: int, end: int) -> dict[str, Any]:
+        """GPU fields of an interval entry (only for GPU jobs)."""
+        if not self._series["gpu_util"].count and not self._series["gpu_power"].count:
+            return {}
+        throttle, self._interval_throttle = sorted(self._interval_throttle), set()
+        return {
+            "gpu_utilization_pct": self._series["gpu_util"].window_mean(start, end),
+            "gpu_power_w": self._series["gpu_power"].window_mean(start, end),
+            "gpu_throttle_reasons": throttle,
         }
 
     def wall_time(self, t_mono_ns: int) -> str:
@@ -231,7 +343,8 @@ class StepAggregator:
         return {
             "avg_tflops_per_gpu": tflops,
             "avg_step_time_ms": _mean(steps_ms),
-            "peak_memory_gb": self._peak_rss_bytes / 1e9 if self._peak_rss_bytes else None,
+            "peak_memory_gb": _scaled(self._memory_bytes_series().peak, 1e-9),
+            "memory_kind": "gpu" if self._series["gpu_memory"].count else "rss",
             "avg_tokens_per_sec": tokens_s,
             "avg_samples_per_sec": samples_s,
             "p50_step_time_ms": _percentile(steps_ms, 0.50),
@@ -246,4 +359,9 @@ class StepAggregator:
             "mfu": tflops / peak if tflops is not None and peak else None,
             "avg_hardware_tflops_per_gpu": self._hardware_tflops(tflops),
             "lost_events": self.lost_events,
+            "avg_gpu_utilization_pct": self._series["gpu_util"].mean,
+            "avg_gpu_power_w": self._series["gpu_power"].mean,
+            "gpu_throttle_reasons": dict(self._throttle),
+            "gpu_events": self.gpu_events,
+            "ranks": self._ranks(),
         }

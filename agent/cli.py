@@ -18,6 +18,7 @@ from perfmon.agent.session import AttachOptions, MonitorSession
 from perfmon.agent.summary import summary_from_records, write_json_atomic
 from perfmon.parsers.errors import EventLogError, PerfmonError
 from perfmon.parsers.events import decode_event_log
+from perfmon.parsers.peak_tflops import DTYPES
 from rich.console import Console
 from rich.table import Table
 
@@ -92,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument(
         "--peak-tflops", type=_positive_float, metavar="TFLOPS",
         help="dense peak per GPU for MFU (default: from the device table; none on CPU)",
+    )
+    attach.add_argument(
+        "--dtype", choices=DTYPES, default="bf16",
+        help="training precision, for the device's peak in MFU (default: %(default)s)",
+    )
+    attach.add_argument(
+        "--health-check", action="store_true",
+        help="check the GPUs first (as `perfmon-agent health`) and record it in session_info",
     )
     attach.add_argument("--json", action="store_true", help="print the final summary to stdout")
 
@@ -172,7 +181,7 @@ def _attach(args: argparse.Namespace) -> int:
     options = AttachOptions(
         pid=args.pid, model_config=args.model_config, model_preset=args.model_preset,
         output_dir=args.output_dir, log_interval=args.log_interval, duration_s=args.duration,
-        peak_tflops=args.peak_tflops,
+        peak_tflops=args.peak_tflops, dtype=args.dtype, health_check=args.health_check,
     )
     session = MonitorSession(options, lambda entry: console.print(progress_line(entry)))
     console.print(f"Attaching to pid {args.pid}... Ctrl-C to end.")

@@ -16,9 +16,17 @@ import jsonschema
 import psutil
 import pytest
 
+from tests.fakes.build import FakeNvml, build_fake_nvml
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_GPT = ROOT / "tests" / "targets" / "train_gpt.py"
 SUMMARY_SCHEMA = json.loads((ROOT / "docs" / "perf_summary.schema.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> FakeNvml:
+    """The fake libnvidia-ml.so.1 (real C ABI), built once for the whole run."""
+    return FakeNvml(build_fake_nvml(tmp_path_factory.mktemp("fake_nvml")))
 
 
 def ebpf_missing() -> str | None:

@@ -16,16 +16,11 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.fakes.build import FakeNvml, build_fake_nvml, write_scenario
+from tests.fakes.build import FakeNvml, write_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "docs" / "health_report.schema.json").read_text())
 WINDOW = "0.1"
-
-
-@pytest.fixture(scope="session")
-def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> FakeNvml:
-    return FakeNvml(build_fake_nvml(tmp_path_factory.mktemp("fake_nvml")))
 
 
 def health(fake: FakeNvml, tmp_path: Path, scenario: str, *args: str,

@@ -10,9 +10,7 @@ import itertools
 import textwrap
 from pathlib import Path
 
-import pytest
-
-from tests.fakes.build import FakeNvml, build_fake_nvml, write_scenario
+from tests.fakes.build import FakeNvml, write_scenario
 
 # Imported by every child: samples become JSON with dataclasses.asdict.
 PRELUDE = """\
@@ -29,11 +27,6 @@ def rewrite(text):  # atomically, as the fake expects
     tmp.write_text(text)
     tmp.replace(path)
 """
-
-
-@pytest.fixture(scope="session")
-def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> FakeNvml:
-    return FakeNvml(build_fake_nvml(tmp_path_factory.mktemp("fake_nvml")))
 
 
 def run(fake: FakeNvml, tmp_path: Path, scenario: str, code: str) -> dict:

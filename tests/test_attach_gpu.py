@@ -1,0 +1,81 @@
+"""attach on a "GPU" job: the real agent, real uprobes and the real nvidia-ml-py, with the
+NVIDIA driver replaced by the fake libnvidia-ml.so.1 (tests/fakes/fake_nvml.c)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import load_summary, wait_for
+from tests.fakes.build import write_scenario
+
+pytestmark = pytest.mark.usefixtures("ebpf")
+
+MODEL = ("num_layers: 2\nhidden_size: 128\nnum_attention_heads: 4\nseq_length: 64\n"
+         "vocab_size: 512\nglobal_batch_size: 4\n")
+
+
+def test_gpu_memory_per_rank_mfu_and_a_gpu_lost_mid_session(
+    fake_nvml, start_target, agent, out_dir, tmp_path
+):
+    target = start_target()
+    scenario = tmp_path / "scenario"
+    healthy = (
+        "count=2\n"
+        "gpu0.name=NVIDIA H100 80GB HBM3\ngpu1.name=NVIDIA H100 80GB HBM3\n"
+        f"gpu0.proc.{target.pid}.used_bytes=12000000000\n"
+        "gpu0.utilization_gpu_pct=87\ngpu0.power_mw=650000\n"
+        "gpu1.utilization_gpu_pct=3\ngpu1.power_mw=90000\n"
+        "gpu0.clocks_event_reasons=0x4\n"  # SW power cap
+    )
+    write_scenario(scenario, healthy)
+    (tmp_path / "model.yaml").write_text(MODEL)
+    proc = agent.start("attach", "--pid", str(target.pid), "--duration", "7", "--health-check",
+                       "--model-config", str(tmp_path / "model.yaml"), "--log-interval", "20",
+                       "--output-dir", str(out_dir), env=fake_nvml.env(scenario))
+    wait_for(lambda: list(out_dir.glob("perf_summary_*.json")), 30, "the session to start")
+    time.sleep(2)
+    # GPU 1 falls off the bus; GPU 0 reports an XID 79 ("fallen off the bus" on its side).
+    write_scenario(scenario, healthy + "gpu1.lost=1\ngpu0.xid=79\n")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    summary = load_summary(out_dir)
+    info, stats = summary["session_info"], summary["final_statistics"]
+    assert info["gpu"]["available"] and info["gpu"]["device"] == "NVIDIA H100 80GB HBM3"
+    assert info["gpu"]["peak_tflops"] == pytest.approx(989.4)
+    assert info["health"]["status"] in ("pass", "warn")
+    # The rank's driver-side GPU memory, not its RSS, is the memory figure.
+    assert stats["memory_kind"] == "gpu"
+    assert stats["peak_memory_gb"] == pytest.approx(12.0)
+    assert all(e["memory_GB"] == pytest.approx(12.0) for e in summary["iteration_logs"])
+    assert stats["ranks"][0]["pid"] == target.pid
+    assert stats["ranks"][0]["gpu_indices"] == [0]
+    assert stats["ranks"][0]["peak_gpu_memory_gb"] == pytest.approx(12.0)
+    # Only the job's GPU counts for utilization and power.
+    assert stats["avg_gpu_utilization_pct"] == pytest.approx(87)
+    assert stats["avg_gpu_power_w"] == pytest.approx(650)
+    assert "sw_power_cap" in stats["gpu_throttle_reasons"]
+    assert all(e["gpu_utilization_pct"] == pytest.approx(87) for e in summary["iteration_logs"])
+    # MFU against the H100's bf16 dense peak.
+    assert stats["mfu"] == pytest.approx(stats["avg_tflops_per_gpu"] / 989.4)
+    # The lost GPU is recorded with its time, and the session went on to its end.
+    (lost,) = [e for e in stats["gpu_events"] if e["type"] == "gpu_lost"]
+    assert lost["gpu_index"] == 1
+    assert info["attach_monotonic_ns"] < lost["t_mono_ns"] < info["detach_monotonic_ns"]
+    (xid,) = [e for e in stats["gpu_events"] if e["type"] == "xid"]
+    assert (xid["gpu_index"], xid["xid"]) == (0, 79)
+    assert info["end_reason"] == "duration"
+
+
+def test_without_a_driver_the_summary_says_so_and_cpu_mode_goes_on(
+    start_target, agent, out_dir
+):
+    target = start_target()
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "3",
+                    "--output-dir", str(out_dir))
+    assert run.returncode == 0, run.stderr
+    summary = load_summary(out_dir)
+    gpu = summary["session_info"]["gpu"]
+    assert gpu["available"] is False and "NVML" in gpu["reason"]
+    assert summary["final_statistics"]["memory_kind"] == "rss"
