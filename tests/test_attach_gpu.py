@@ -38,7 +38,7 @@ def test_gpu_memory_per_rank_mfu_and_a_gpu_lost_mid_session(
     time.sleep(2)
     # GPU 1 falls off the bus; GPU 0 reports an XID 79 ("fallen off the bus" on its side).
     write_scenario(scenario, healthy + "gpu1.lost=1\ngpu0.xid=79\n")
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     summary = load_summary(out_dir)
     info, stats = summary["session_info"], summary["final_statistics"]
