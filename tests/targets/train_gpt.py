@@ -62,7 +62,7 @@ class GPT(nn.Module):
         self.register_buffer("mask", mask)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x, self.mask)
         return self.head(self.ln(x))
@@ -93,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-delay-ms", type=float, default=0.0)
     p.add_argument("--stall-at", type=int, default=0, help="stall forever at this iteration")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     return p.parse_args(argv)
 
 
@@ -108,8 +109,9 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    device = torch.device(args.device)
     model = GPT(vocab=args.vocab_size, seq=args.seq_length, layers=args.num_layers,
-                hidden=args.hidden_size, heads=args.num_attention_heads, ffn=ffn)
+                hidden=args.hidden_size, heads=args.num_attention_heads, ffn=ffn).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     loader = DataLoader(RandomTokens(args.vocab_size, args.seq_length, args.data_delay_ms),
                         batch_size=args.micro_batch_size)
@@ -121,7 +123,7 @@ def train(args: argparse.Namespace) -> None:
         if args.stall_at and iteration == args.stall_at:
             deliberately_stalled_collective()
         for _ in range(args.grad_accum):
-            tokens = next(batches)
+            tokens = next(batches).to(device, non_blocking=True)
             logits = model(tokens[:, :-1])
             loss = nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
@@ -133,8 +135,11 @@ def train(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         iteration += 1
         if iteration % 50 == 0:
+            memory = (f" max_memory_reserved {torch.cuda.max_memory_reserved() / 1e9:.3f} GB"
+                      if device.type == "cuda" else "")
             print(f"iteration {iteration} loss {loss.item() * args.grad_accum:.3f} "
-                  f"ppl {math.exp(min(20.0, loss.item() * args.grad_accum)):.1f}", flush=True)
+                  f"ppl {math.exp(min(20.0, loss.item() * args.grad_accum)):.1f}{memory}",
+                  flush=True)
     if args.after_train == "sleep":
         while True:
             time.sleep(3600)
