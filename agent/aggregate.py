@@ -17,9 +17,15 @@ from __future__ import annotations
 import math
 import statistics
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
+
+from perfmon.agent.phases import PhaseAccount
+
+# How long (in record time) an interval entry waits for stack samples covering it.
+PHASE_WAIT_NS = 5_000_000_000
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,9 @@ class StepAggregator:
     start_t_mono_ns: int
     start_wall_s: float
     log_interval: int = 10
+    # True when stack samples are expected: interval entries then wait (at most
+    # PHASE_WAIT_NS of record time) for the samples that cover them.
+    stack_sampling: bool = False
     iteration_logs: list[dict[str, Any]] = field(default_factory=list)
     iterations_ended: int = 0
     lost_events: int = 0
@@ -178,34 +187,62 @@ class StepAggregator:
     _rank_peaks: dict[int, dict[str, int]] = field(default_factory=dict)  # pid -> name -> bytes
     _rank_gpus: dict[int, list[int]] = field(default_factory=dict)
     _lost_gpus: set[int] = field(default_factory=set)
+    phases: PhaseAccount = field(default_factory=PhaseAccount)
+    _pending: list[tuple[dict[str, Any], int, int, int]] = field(default_factory=list)
+    _recent_ends: deque = field(default_factory=lambda: deque(maxlen=1024))
+    _job_reads: list[dict[str, Any]] = field(default_factory=list)
+    _job_offsets: list[int] = field(default_factory=list)
+    _job_bounds: list[tuple[int, int]] = field(default_factory=list)
+    job_iteration_variable: str | None = None
+    hangs: list[dict[str, Any]] = field(default_factory=list)
     gpu_events: list[dict[str, Any]] = field(default_factory=list)  # xid, ecc, lost
 
     def feed(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one record; return the iteration_logs entries it completed."""
-        kind = record["type"]
+        done = self._take(record)
+        if self._pending:
+            done += self._finalize_pending(record)
+        return done
+
+    def _take(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        kind, t_ns = record["type"], record.get("t_mono_ns", 0)
         if kind == "marker":
             # Markers from before the probes were all attached fall outside the window.
-            if record["pid"] != self.primary_pid or record["t_mono_ns"] < self.start_t_mono_ns:
+            if record["pid"] != self.primary_pid or t_ns < self.start_t_mono_ns:
                 return []
-            return self._on_marker(record["kind"], record["t_mono_ns"])
-        if kind == "process":
+            return self._on_marker(record["kind"], t_ns)
+        if kind == "phase" and record["pid"] == self.primary_pid:
+            self.phases.add_span(t_ns, record["end_mono_ns"], record["phase"])
+        elif kind == "process":
             rss, peak = record["rss_bytes"], record.get("peak_rss_bytes")
-            self._series["rss"].add(record["t_mono_ns"], rss, peak)
+            self._series["rss"].add(t_ns, rss, peak)
             self._rank_peak(record["pid"], "rss_bytes", max(rss, peak or 0))
         elif kind == "gpu":
-            self._on_gpu(record["t_mono_ns"], record["gpus"])
+            self._on_gpu(t_ns, record["gpus"])
         elif kind in ("xid", "ecc"):
-            self.gpu_events.append({**record, "timestamp": self.wall_time(record["t_mono_ns"])})
+            self.gpu_events.append({**record, "timestamp": self.wall_time(t_ns)})
+        elif kind == "job_iteration":
+            self._job_reads.append(record)
+            self.job_iteration_variable = record.get("name")
+        elif kind == "hang":
+            fields = {k: v for k, v in record.items() if k != "type"}
+            self.hangs.append({**fields, "timestamp": self.wall_time(t_ns), "recovered_at": None})
+        elif kind == "hang_recovered" and self.hangs:
+            self.hangs[-1]["recovered_at"] = self.wall_time(t_ns)
         elif kind == "lost":
             self.lost_events += record["count"]
         elif kind == "session_end":
-            self.end_t_mono_ns, self.end_reason = record["t_mono_ns"], record["reason"]
+            self.end_t_mono_ns, self.end_reason = t_ns, record["reason"]
         return []
 
     def _on_marker(self, marker: str, t_ns: int) -> list[dict[str, Any]]:
         if marker == "backward_enter":
             self._backwards_since_end += 1
             self._backward_seen = True
+            self.phases.backward_enter(t_ns)
+            return []
+        if marker == "backward_exit":
+            self.phases.backward_exit(t_ns)
             return []
         if marker != "optimizer_step":
             return []
@@ -214,6 +251,9 @@ class StepAggregator:
         micro = self._backwards_since_end if self._backward_seen else None
         self._backwards_since_end = 0
         self.iterations_ended += 1
+        self._recent_ends.append(t_ns)
+        if self._job_reads:
+            self._resolve_job_reads(t_ns)
         previous_end, self._last_end_ns = self._last_end_ns, t_ns
         if previous_end is None:
             return []  # the partial iteration that was running at attach
@@ -231,9 +271,86 @@ class StepAggregator:
         if len(self._interval) < self.log_interval:
             return []
         entry = self._interval_entry(self._interval)
+        start, end = entry.pop("_start_ns"), entry["end_monotonic_ns"]
+        self._pending.append((entry, start, end, len(self._interval)))
         self._interval = []
-        self.iteration_logs.append(entry)
-        return [entry]
+        return self._finalize_pending(None)
+
+    def _finalize_pending(self, record: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """Complete the interval entries whose phase samples are in, or waited for long enough.
+
+        Decided by record contents alone, so a replay of the log decides the same.
+        """
+        now = record.get("t_mono_ns") if record else None
+        final = record is not None and record["type"] == "session_end"
+        if final and self._job_reads:
+            self._resolve_job_reads(None)
+        done = []
+        while self._pending:
+            entry, start, end, count = self._pending[0]
+            covered = self.phases.watermark_ns >= end
+            waited = now is not None and now >= end + PHASE_WAIT_NS
+            if self.stack_sampling and not (covered or waited or final):
+                break
+            self._pending.pop(0)
+            per_phase = self.phases.window_ns(start, end)
+            self.phases.record(per_phase, count)
+            entry["phases"] = PhaseAccount.breakdown(per_phase, count)
+            entry["iteration"] += self.job_iteration_offset or 0
+            self.iteration_logs.append(entry)
+            done.append(entry)
+        return done
+
+    def _resolve_job_reads(self, until_ns: int | None) -> None:
+        """Turn reads of the job's counter into offsets from our count.
+
+        A read made between ``t_mono_ns`` and ``end_mono_ns`` is resolved once an
+        iteration end after it has been seen (``until_ns``; None: now, at the
+        end), so every end before it is counted. With no end inside the read's
+        window the offset is exact; otherwise each read bounds it, and the
+        bounds of all reads are intersected.
+        """
+        unresolved = []
+        for read in self._job_reads:
+            if until_ns is not None and read["end_mono_ns"] >= until_ns:
+                unresolved.append(read)
+                continue
+            before = self._count_at(read["t_mono_ns"])
+            after = self._count_at(read["end_mono_ns"])
+            if before == after:
+                self._job_offsets.append(read["value"] - before)
+            else:
+                self._job_bounds.append((read["value"] - after, read["value"] - before))
+        self._job_reads = unresolved
+
+    def _count_at(self, t_ns: int) -> int:
+        """Iterations ended at or before ``t_ns`` (among the last 1024 ends)."""
+        return self.iterations_ended - sum(1 for t in self._recent_ends if t > t_ns)
+
+    @property
+    def last_end_t_mono_ns(self) -> int | None:
+        """When the latest iteration ended (None before the first)."""
+        return self._last_end_ns
+
+    def recent_median_step_ns(self) -> float | None:
+        """Median of the last 101 step times (None before any)."""
+        recent = sorted(self._step_ns[-101:])
+        return float(recent[len(recent) // 2]) if recent else None
+
+    @property
+    def job_iteration_offset(self) -> int | None:
+        """Our iteration count plus this is the job's own number (None: not read).
+
+        The most frequent exact offset (a read racing the increment is off by
+        one), else the middle of the intersected bounds.
+        """
+        if self._job_offsets:
+            return max(set(self._job_offsets), key=self._job_offsets.count)
+        if self._job_bounds:
+            lo = max(b[0] for b in self._job_bounds)
+            hi = min(b[1] for b in self._job_bounds)
+            return (lo + hi) // 2 if lo <= hi else self._job_bounds[-1][0]
+        return None
 
     def _on_gpu(self, t_ns: int, gpus: list[dict[str, Any]]) -> None:
         """One NVML sample of every GPU: GPU memory per rank, utilization, power, throttling.
@@ -303,6 +420,8 @@ class StepAggregator:
             if self._series[name] is not memory:
                 self._series[name].window_mean(start, end)  # keep its samples pruned too
         return {
+            "_start_ns": start,
+            "end_monotonic_ns": end,
             "iteration": last.number,
             "timestamp": self.wall_time(last.end_t_mono_ns),
             "step_time_ms": totals.step_ns / len(its) / 1e6,
@@ -364,4 +483,8 @@ class StepAggregator:
             "gpu_throttle_reasons": dict(self._throttle),
             "gpu_events": self.gpu_events,
             "ranks": self._ranks(),
+            "phases": PhaseAccount.breakdown(self.phases.total_ns,
+                                             self.phases.total_iterations),
+            "phases_source": self.phases.source,
+            "hangs": self.hangs,
         }

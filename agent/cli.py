@@ -15,10 +15,12 @@ from typing import Any
 from perfmon.agent.flops_report import FLOPS_EPILOG, add_flops_arguments, flops_main
 from perfmon.agent.health import HEALTH_DESCRIPTION, add_health_arguments, health_main
 from perfmon.agent.session import AttachOptions, MonitorSession
+from perfmon.agent.stacks import add_stacks_arguments, stacks_main
 from perfmon.agent.summary import summary_from_records, write_json_atomic
 from perfmon.parsers.errors import EventLogError, PerfmonError
 from perfmon.parsers.events import decode_event_log
 from perfmon.parsers.peak_tflops import DTYPES
+from perfmon.probes.pyspy import DEFAULT_RATE_HZ
 from rich.console import Console
 from rich.table import Table
 
@@ -102,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--health-check", action="store_true",
         help="check the GPUs first (as `perfmon-agent health`) and record it in session_info",
     )
+    attach.add_argument(
+        "--iteration-source", choices=("auto", "uprobe", "pyspy"), default="auto",
+        help="uprobe: exact, needs eBPF; pyspy: from stack samples, needs only ptrace; "
+        "auto: uprobe, else pyspy with a warning (default: %(default)s)",
+    )
+    attach.add_argument("--iteration-function", metavar="REGEX",
+                        help="pyspy mode: an iteration starts on entering a function whose "
+                        "name matches (default: torch.optim Optimizer.step)")
+    attach.add_argument("--iteration-variable", metavar="NAME",
+                        help="the job's own iteration counter, a local variable (default: "
+                        "iteration, iter_num, step, global_step)")
+    attach.add_argument("--no-stack-sampling", action="store_true",
+                        help="no py-spy sampling in uprobe mode (no phase breakdown)")
+    attach.add_argument("--stack-rate", type=_positive_int, default=DEFAULT_RATE_HZ,
+                        metavar="HZ", help="py-spy samples a second (default: %(default)s)")
+    attach.add_argument("--hang-factor", type=_positive_float, default=10.0, metavar="K",
+                        help="hung after K x the median step time without an iteration "
+                        "(default: %(default)s) ...")
+    attach.add_argument("--hang-timeout", type=_positive_float, default=120.0,
+                        metavar="SECONDS", help="... and at least this long (default: %(default)s)")
     attach.add_argument("--json", action="store_true", help="print the final summary to stdout")
 
     summarize = sub.add_parser(
@@ -134,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_health_arguments(health)
+
+    stacks = sub.add_parser(
+        "stacks", help="dump the Python stacks of a job's ranks (py-spy, non-blocking)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_stacks_arguments(stacks)
     return parser
 
 
@@ -182,12 +210,17 @@ def _attach(args: argparse.Namespace) -> int:
         pid=args.pid, model_config=args.model_config, model_preset=args.model_preset,
         output_dir=args.output_dir, log_interval=args.log_interval, duration_s=args.duration,
         peak_tflops=args.peak_tflops, dtype=args.dtype, health_check=args.health_check,
+        iteration_source=args.iteration_source, iteration_function=args.iteration_function,
+        iteration_variable=args.iteration_variable, stack_sampling=not args.no_stack_sampling,
+        stack_rate_hz=args.stack_rate, hang_factor=args.hang_factor,
+        hang_timeout_s=args.hang_timeout,
     )
-    session = MonitorSession(options, lambda entry: console.print(progress_line(entry)))
+    session = MonitorSession(
+        options, lambda entry: console.print(progress_line(entry)),
+        warn=lambda line: print(f"{PROG}: warning: {line}", file=sys.stderr, flush=True),
+    )
     console.print(f"Attaching to pid {args.pid}... Ctrl-C to end.")
     result = session.run()
-    for warning in result.warnings:
-        print(f"{PROG}: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(result.summary, indent=2))
     else:
@@ -213,7 +246,7 @@ def _summarize(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"attach": _attach, "summarize": _summarize, "flops": flops_main,
-            "health": health_main}
+            "health": health_main, "stacks": stacks_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,7 +105,15 @@ def resolve_model(
     if "seq_length" not in merged and "max_position_embeddings" in merged:
         merged["seq_length"] = merged["max_position_embeddings"]
         description["field_sources"]["seq_length"] = "max_position_embeddings"
-    return model_config_from_mapping(merged, source=description["source"]), description
+    try:
+        return model_config_from_mapping(merged, source=description["source"]), description
+    except ModelConfigError as err:
+        if explicit:
+            raise  # the user named the model: an incomplete or wrong one is an error
+        # Found on the job's own command line or config.json: a job that names only
+        # some dimensions is still measured, without FLOPs.
+        description["problem"] = str(err)
+        return None, description
 
 
 def build_workload(

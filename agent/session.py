@@ -11,7 +11,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -22,12 +22,19 @@ from perfmon.agent.eventlog import EventLogWriter
 from perfmon.agent.gpu import GpuMonitor
 from perfmon.agent.health import run_health_check
 from perfmon.agent.model import build_workload, explicit_model_fields, resolve_model
-from perfmon.agent.summary import build_summary, write_json_atomic
+from perfmon.agent.stack_monitor import StackMonitor, dump_ranks, main_stacks
+from perfmon.agent.summary import build_summary, finite, write_json_atomic
 from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.stack_analysis import innermost_common_frame
+from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError, SymbolNotFound
 from perfmon.probes.nvml import NvmlUnavailable
 from perfmon.probes.procfs import MemorySampler, TargetProcess, is_running, resolve_targets
+from perfmon.probes.pyspy import DEFAULT_RATE_HZ
 from perfmon.probes.sampler import monotonic_ns
 from perfmon.probes.uprobes import MarkerProbe, check_ebpf_prerequisites
+
+# What makes `--iteration-source auto` fall back from uprobes to py-spy.
+UPROBE_UNAVAILABLE = (PrerequisiteMissing, PrivilegeError, SymbolNotFound)
 
 POLL_INTERVAL_S = 0.1
 LIVENESS_INTERVAL_NS = 500_000_000
@@ -54,6 +61,13 @@ class AttachOptions:
     memory_interval_s: float = 1.0
     gpu_interval_s: float = 1.0
     health_check: bool = False
+    iteration_source: str = "auto"  # auto | uprobe | pyspy
+    iteration_function: str | None = None  # regex over function names (pyspy)
+    iteration_variable: str | None = None  # the job's own counter, a local variable
+    stack_sampling: bool = True  # py-spy for phases (and iterations in pyspy mode)
+    stack_rate_hz: int = DEFAULT_RATE_HZ
+    hang_factor: float = 10.0
+    hang_timeout_s: float = 120.0
 
 
 @dataclass
@@ -97,7 +111,6 @@ def _session_facts(
         "primary_pid": primary.pid,
         "command_line": primary.cmdline,
         "torch_library": primary.torch_library,
-        "iteration_source": "uprobe",
         "iteration_numbering": "counted from attach",
         "log_interval": options.log_interval,
         "model": model,
@@ -108,33 +121,101 @@ def _session_facts(
 class _Live:
     """What a running session polls and feeds."""
 
-    probe: MarkerProbe
+    probe: MarkerProbe | None  # None in pyspy mode
+    stacks: StackMonitor | None  # None without stack sampling
     memory: MemorySampler
     gpu: GpuMonitor
     log: EventLogWriter
     aggregator: StepAggregator
 
+    def close(self) -> None:
+        for part in (self.probe, self.stacks, self.memory, self.gpu):
+            if part is not None:
+                part.close()
+
 
 class MonitorSession:
-    """Attach to a job, monitor until it exits, a signal, or the duration; write the summary."""
+    """Attach to a job, monitor until it exits, a signal, or the duration; write the summary.
 
-    def __init__(self, options: AttachOptions, progress: Callable[[dict[str, Any]], None]) -> None:
+    ``progress`` gets each completed iteration_logs entry; ``warn`` one-line
+    warnings (a fallback to py-spy, a hang).
+    """
+
+    def __init__(self, options: AttachOptions, progress: Callable[[dict[str, Any]], None],
+                 warn: Callable[[str], None] = lambda _line: None) -> None:
         self.options = options
         self.progress = progress
+        self.warn = warn
         self._stop_reason: str | None = None
         self._dropped_logged = 0
+        self._hang_since: int | None = None  # iterations_ended when the hang was declared
+        self.warnings: list[str] = []
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._stop_reason = signal.Signals(signum).name
 
+    def _warning(self, text: str) -> None:
+        self.warnings.append(text)
+        self.warn(text)
+
+    def _uprobe_host_ready(self) -> str:
+        """The iteration source to try first; fails on the host's lacks before any process."""
+        source = self.options.iteration_source
+        if source == "pyspy":
+            return source
+        try:
+            check_ebpf_prerequisites()
+        except UPROBE_UNAVAILABLE as err:
+            if source == "uprobe":
+                raise
+            self._warning(f"uprobes unavailable, iterations from py-spy stack samples: {err}")
+            return "pyspy"
+        return "uprobe"
+
+    def _start_sources(
+        self, source: str, targets: list[TargetProcess]
+    ) -> tuple[str, MarkerProbe | None, StackMonitor | None]:
+        """Start the iteration source (falling back under auto) and the stack sampler."""
+        opts = self.options
+        probe = None
+        if source == "uprobe":
+            probe = MarkerProbe(targets)
+            try:
+                probe.start()
+            except UPROBE_UNAVAILABLE as err:
+                if opts.iteration_source == "uprobe":
+                    raise
+                self._warning(f"uprobes unavailable, iterations from py-spy stack samples: {err}")
+                probe, source = None, "pyspy"
+        stacks = None
+        if source == "pyspy" or opts.stack_sampling:
+            stacks = StackMonitor(
+                targets[0], detect_iterations=source == "pyspy",
+                iteration_function=opts.iteration_function,
+                iteration_variable=opts.iteration_variable, rate_hz=opts.stack_rate_hz)
+            try:
+                stacks.start()
+            except PerfmonError as err:
+                if source == "pyspy":
+                    if probe is not None:
+                        probe.close()
+                    raise
+                self._warning(f"stack sampling unavailable, phases from uprobes only: {err}")
+                stacks = None
+        if probe is not None:
+            self.warnings += probe.warnings
+        return source, probe, stacks
+
     def run(self) -> SessionResult:
         opts = self.options
         explicit = explicit_model_fields(opts.model_config, opts.model_preset)
-        # Fail on the host's lacks before looking at any process (the probe checks again).
-        check_ebpf_prerequisites()
+        source = self._uprobe_host_ready()
         targets = resolve_targets(opts.pid)
         primary = targets[0]
         cfg, model_source = resolve_model(primary, explicit)
+        if "problem" in model_source:
+            self._warning(f"model dimensions unknown, no FLOPs: {model_source['problem']} "
+                          "(give --model-config)")
         pids = [t.pid for t in targets]
         health = self._health_check(pids) if opts.health_check else None
         gpu = GpuMonitor(pids, opts.gpu_interval_s)
@@ -147,22 +228,22 @@ class MonitorSession:
         workload, model_info = build_workload(cfg, primary, peak)
         out_dir = _prepare_output_dir(opts.output_dir)
 
-        probe = MarkerProbe(targets)
-        probe.start()  # raises before any file is written when the host cannot probe
-        memory = MemorySampler([t.pid for t in targets], opts.memory_interval_s)
+        # Raises before any file is written when the host cannot probe.
+        source, probe, stacks = self._start_sources(source, targets)
+        memory = MemorySampler(pids, opts.memory_interval_s)
         memory.start()
         start_ns, start_wall = monotonic_ns(), datetime.now().astimezone()
         stamp = start_wall.strftime("%Y%m%d_%H%M%S")
         summary_path = out_dir / f"perf_summary_{stamp}.json"
         events_path = out_dir / f"perf_events_{stamp}.msgpack"
         facts = _session_facts(targets, {**model_source, **model_info}, start_wall, start_ns, opts)
-        facts["warnings"] = list(probe.warnings)
-        facts["gpu"] = gpu.info
+        facts.update(iteration_source=source, warnings=self.warnings, gpu=gpu.info,
+                     stack_sampling=stacks is not None, workload=workload.__dict__)
         if health is not None:
             facts["health"] = health
-        facts["workload"] = workload.__dict__
         aggregator = StepAggregator(
-            workload, primary.pid, start_ns, start_wall.timestamp(), opts.log_interval
+            workload, primary.pid, start_ns, start_wall.timestamp(), opts.log_interval,
+            stack_sampling=stacks is not None,
         )
         log = EventLogWriter(events_path)
         log.append({"type": "session_start", "t_mono_ns": start_ns, "session": facts})
@@ -172,16 +253,17 @@ class MonitorSession:
         log.flush()
         write_json_atomic(summary_path, build_summary(facts, aggregator))
 
-        live = _Live(probe, memory, gpu, log, aggregator)
+        live = _Live(probe, stacks, memory, gpu, log, aggregator)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         deadline = start_ns + int(opts.duration_s * 1e9) if opts.duration_s else None
         next_liveness = next_rewrite = start_ns
-        self._dropped_logged = 0
         try:
             while self._stop_reason is None:
                 time.sleep(POLL_INTERVAL_S)
                 completed = self._ingest(live)
                 now = monotonic_ns()
+                if self._check_hang(live, targets, out_dir, now):
+                    completed = True
                 if completed or now >= next_rewrite:
                     # Log first, so the log always holds all that the summary counts.
                     log.flush()
@@ -199,19 +281,18 @@ class MonitorSession:
             # then detach (which takes a while, and whose events we do not count).
             end_ns = monotonic_ns()
             self._ingest(live, until_ns=end_ns)
-            probe.close()
-            memory.close()
-            gpu.close()
+            live.close()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             end = {"type": "session_end", "t_mono_ns": end_ns,
                    "reason": self._stop_reason or "error"}
-            aggregator.feed(end)
+            for entry in aggregator.feed(end):
+                self.progress(entry)
             log.append(end)
             log.close()
             summary = build_summary(facts, aggregator)
             write_json_atomic(summary_path, summary)
-        return SessionResult(summary_path, events_path, summary, facts["warnings"])
+        return SessionResult(summary_path, events_path, summary, self.warnings)
 
     @staticmethod
     def _health_check(pids: list[int]) -> dict[str, Any]:
@@ -223,16 +304,21 @@ class MonitorSession:
 
     def _ingest(self, live: _Live, until_ns: int | None = None) -> bool:
         """Log and aggregate what the probes gathered; True when an interval completed."""
-        records: list[dict[str, Any]] = [
-            {"type": "marker", **e.__dict__} for e in live.probe.poll()
-            if until_ns is None or e.t_mono_ns <= until_ns
-        ]
+        records: list[dict[str, Any]] = []
+        if live.stacks is not None:
+            # Stack records first: they carry the phase samples that interval
+            # entries completed by this round's markers wait for.
+            records += live.stacks.poll()
+        if live.probe is not None:
+            records += [{"type": "marker", **e.__dict__} for e in live.probe.poll()]
+            if live.probe.dropped > self._dropped_logged:
+                records.append({"type": "lost", "t_mono_ns": monotonic_ns(),
+                                "count": live.probe.dropped - self._dropped_logged})
+                self._dropped_logged = live.probe.dropped
+        if until_ns is not None:
+            records = [r for r in records if r["type"] != "marker" or r["t_mono_ns"] <= until_ns]
         records += [{"type": "process", **s.__dict__} for s in live.memory.poll()]
         records += live.gpu.poll()
-        if live.probe.dropped > self._dropped_logged:
-            records.append({"type": "lost", "t_mono_ns": monotonic_ns(),
-                            "count": live.probe.dropped - self._dropped_logged})
-            self._dropped_logged = live.probe.dropped
         completed = False
         for record in records:
             live.log.append(record)
@@ -240,3 +326,50 @@ class MonitorSession:
                 self.progress(entry)
                 completed = True
         return completed
+
+    def _check_hang(self, live: _Live, targets: list[TargetProcess], out_dir: Path,
+                    now_ns: int) -> bool:
+        """Declare a hang (stacks of every rank into a report) or its end; True on either.
+
+        Hung: no iteration for max(hang_factor x median step time, hang_timeout).
+        """
+        agg = live.aggregator
+        if self._hang_since is not None:
+            if agg.iterations_ended > self._hang_since:
+                self._hang_since = None
+                self._log(live, {"type": "hang_recovered", "t_mono_ns": now_ns})
+                self.warn("iterations resumed after the hang")
+                return True
+            return False
+        last = agg.last_end_t_mono_ns or agg.start_t_mono_ns
+        median = agg.recent_median_step_ns()
+        threshold_ns = max(self.options.hang_factor * (median or 0),
+                           self.options.hang_timeout_s * 1e9)
+        if now_ns - last < threshold_ns:
+            return False
+        self._hang_since = agg.iterations_ended
+        stacks = dump_ranks(targets)
+        frame = innermost_common_frame(main_stacks(stacks))
+        where = f"{frame.function} ({frame.file}:{frame.line})" if frame else "no common frame"
+        path = out_dir / f"hang_report_{datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
+        report = {
+            "detected_at": datetime.now().astimezone().isoformat(),
+            "no_iteration_for_s": (now_ns - last) / 1e9,
+            "threshold_s": threshold_ns / 1e9,
+            "median_step_time_ms": median / 1e6 if median else None,
+            "innermost_common_frame": asdict(frame) if frame else None,
+            "ranks": {str(pid): [asdict(t) for t in threads] for pid, threads in stacks.items()},
+        }
+        write_json_atomic(path, finite(report))
+        self._log(live, {"type": "hang", "t_mono_ns": now_ns, "last_iteration_mono_ns": last,
+                         "threshold_s": threshold_ns / 1e9, "frame": where,
+                         "report": str(path)})
+        self.warn(f"hang: no iteration for {(now_ns - last) / 1e9:.1f} s "
+                  f"(threshold {threshold_ns / 1e9:.1f} s); ranks wait in {where}; "
+                  f"stacks in {path}")
+        return True
+
+    def _log(self, live: _Live, record: dict[str, Any]) -> None:
+        live.log.append(record)
+        for entry in live.aggregator.feed(record):
+            self.progress(entry)

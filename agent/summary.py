@@ -42,6 +42,10 @@ def build_summary(session: dict[str, Any], aggregator: StepAggregator) -> dict[s
     info["detach_monotonic_ns"] = end_ns
     info["end_reason"] = aggregator.end_reason
     info["total_iterations"] = aggregator.iterations_ended
+    info["hung"] = bool(aggregator.hangs) and aggregator.hangs[-1]["recovered_at"] is None
+    if aggregator.job_iteration_offset is not None:
+        info["iteration_numbering"] = (
+            f"the job's own (local variable '{aggregator.job_iteration_variable}')")
     return finite(
         {
             "session_info": info,
@@ -85,6 +89,7 @@ def summary_from_records(records: list[dict[str, Any]], truncated: bool) -> dict
         facts["attach_monotonic_ns"],
         datetime.fromisoformat(facts["start_time"]).timestamp(),
         facts["log_interval"],
+        stack_sampling=facts.get("stack_sampling", False),
     )
     for record in records[1:]:
         aggregator.feed(record)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -54,6 +55,7 @@ def test_missing_capabilities_are_named(agent, start_target, out_dir):
     target = start_target()
     # Root, but with an empty bounding set: no capability survives the exec.
     run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
+                    "--iteration-source", "uprobe",
                     prefix=("setpriv", "--bounding-set=-all", "--inh-caps=-all"))
     assert_one_line(run, 4, "CAP_BPF", "CAP_PERFMON", "root")
     assert not list(out_dir.iterdir())  # nothing written before the check
@@ -66,13 +68,14 @@ def test_missing_bcc_says_what_to_install(start_target, out_dir):
             "from perfmon.agent.cli import main; sys.exit(main())")
     run = subprocess.run(
         [sys.executable, "-c", code, "attach", "--pid", str(target.pid),
-         "--output-dir", str(out_dir)], capture_output=True, text=True, timeout=60, check=False)
+         "--output-dir", str(out_dir), "--iteration-source", "uprobe"], capture_output=True, text=True, timeout=60, check=False)
     assert_one_line(run, 5, "bcc", "apt-get install python3-bpfcc")
 
 
 def test_missing_kernel_headers_say_what_to_install(agent, start_target, out_dir, tmp_path):
     target = start_target()
     run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
+                    "--iteration-source", "uprobe",
                     env={"BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")})
     assert_one_line(run, 5, "no kernel headers", "linux-headers-")
 
@@ -137,3 +140,26 @@ def test_summarize_of_a_file_that_is_not_an_event_log(agent, tmp_path):
     assert_one_line(run, 2, "bogus.msgpack", "not a perfmon event log")
     run = agent.run("summarize", str(tmp_path / "absent.msgpack"))
     assert_one_line(run, 2, "absent.msgpack")
+
+
+def test_auto_falls_back_to_pyspy_with_one_warning_when_uprobes_cannot_run(
+    agent, start_target, out_dir, tmp_path
+):
+    target = start_target()
+    run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
+                    "--duration", "3", env={"BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")})
+    assert run.returncode == 0, run.stderr
+    warnings = [li for li in run.stderr.splitlines() if "uprobes unavailable" in li]
+    assert len(warnings) == 1 and "no kernel headers" in warnings[0]
+    info = json.loads(next(out_dir.glob("perf_summary_*.json")).read_text())["session_info"]
+    assert info["iteration_source"] == "pyspy"
+    assert any("uprobes unavailable" in w for w in info["warnings"])
+
+
+def test_no_ptrace_right_in_pyspy_mode_names_cap_sys_ptrace(agent, start_target, out_dir):
+    target = start_target()
+    run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
+                    "--iteration-source", "pyspy",
+                    prefix=("setpriv", "--bounding-set=-all", "--inh-caps=-all"))
+    assert run.returncode == 4, run.stderr
+    assert "CAP_SYS_PTRACE" in run.stderr and "Traceback" not in run.stderr

@@ -1,0 +1,108 @@
+"""Where each iteration's time goes: data loading, forward, backward, optimizer, other.
+
+Two sources, combined per window of iterations:
+- stack samples (py-spy): spans of the primary rank's training thread, each
+  classified by perfmon.parsers.stack_analysis.classify_phase;
+- uprobes, where they exist: ``torch::autograd::Engine::execute`` entry and exit
+  give the exact backward time. (``record_function`` blocks have no exported
+  exit in libtorch, so data loading and optimizer ends come from samples.)
+
+With both, backward is the exact uprobe time and the rest of the window is
+shared out in the proportions the samples show for the other phases. With
+samples only, every phase comes from samples; with uprobes only, backward is
+exact and the rest is ``other``. Shares always add up to 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PHASES = ("data_loading", "forward", "backward", "optimizer", "other")
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+class PhaseAccount:
+    def __init__(self) -> None:
+        self._spans: list[tuple[int, int, str]] = []  # (start, end, phase), sampled
+        self._backward: list[tuple[int, int]] = []  # (enter, exit), uprobes
+        self._backward_open: int | None = None
+        self.watermark_ns = 0  # samples cover the primary thread up to here
+        self.sampled = False
+        self.probed = False
+        self.total_ns = dict.fromkeys(PHASES, 0)
+        self.total_iterations = 0
+
+    def add_span(self, start_ns: int, end_ns: int, phase: str) -> None:
+        self.sampled = True
+        self._spans.append((start_ns, end_ns, phase))
+        self.watermark_ns = max(self.watermark_ns, end_ns)
+
+    def backward_enter(self, t_ns: int) -> None:
+        self.probed = True
+        if self._backward_open is None:  # nested backward() calls count once
+            self._backward_open = t_ns
+
+    def backward_exit(self, t_ns: int) -> None:
+        if self._backward_open is not None:
+            self._backward.append((self._backward_open, t_ns))
+            self._backward_open = None
+
+    def window_ns(self, start_ns: int, end_ns: int) -> dict[str, int] | None:
+        """Nanoseconds per phase in [start, end]; None without any source.
+
+        Drops what lies wholly before ``end``: windows arrive in time order.
+        """
+        length = end_ns - start_ns
+        sampled = dict.fromkeys(PHASES, 0)
+        for s0, s1, phase in self._spans:
+            sampled[phase] += _overlap(s0, s1, start_ns, end_ns)
+        backward = sum(_overlap(b0, b1, start_ns, end_ns) for b0, b1 in self._backward)
+        if self._backward_open is not None:
+            backward += _overlap(self._backward_open, end_ns, start_ns, end_ns)
+        self._spans = [s for s in self._spans if s[1] > end_ns]
+        self._backward = [b for b in self._backward if b[1] > end_ns]
+        if not self.probed and not any(sampled.values()):
+            return None
+        if not self.probed:
+            result = sampled
+        else:
+            rest = max(0, length - backward)
+            others = {p: v for p, v in sampled.items() if p != "backward"}
+            weight = sum(others.values())
+            result = dict.fromkeys(PHASES, 0)
+            result["backward"] = min(backward, length)
+            if weight:
+                for phase, ns in others.items():
+                    result[phase] = round(rest * ns / weight)
+            else:
+                result["other"] = rest
+        return result
+
+    def record(self, per_phase_ns: dict[str, int] | None, iterations: int) -> None:
+        if per_phase_ns is None:
+            return
+        for phase, ns in per_phase_ns.items():
+            self.total_ns[phase] += ns
+        self.total_iterations += iterations
+
+    @staticmethod
+    def breakdown(per_phase_ns: dict[str, int] | None, iterations: int) -> dict[str, Any] | None:
+        """``{phase: {"ms": mean per iteration, "share": 0..1}}``, or None."""
+        if per_phase_ns is None or iterations <= 0:
+            return None
+        covered = sum(per_phase_ns.values())
+        if covered <= 0:
+            return None
+        return {
+            phase: {"ms": ns / iterations / 1e6, "share": ns / covered}
+            for phase, ns in per_phase_ns.items()
+        }
+
+    @property
+    def source(self) -> str | None:
+        if self.probed and self.sampled:
+            return "uprobe+pyspy"
+        return "uprobe" if self.probed else ("pyspy" if self.sampled else None)

@@ -1,0 +1,133 @@
+"""py-spy in a monitoring session: phase spans, iterations without eBPF, the job's
+own iteration number, and stack dumps for hang reports, all as log records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.pyspy import ThreadStack
+from perfmon.parsers.stack_analysis import (
+    DEFAULT_ITERATION_LOCALS,
+    IterationDetector,
+    classify_phase,
+    iteration_from_locals,
+    main_thread,
+)
+from perfmon.probes.procfs import TargetProcess
+from perfmon.probes.pyspy import DEFAULT_RATE_HZ, PySpySampler, dump_stacks
+from perfmon.probes.sampler import monotonic_ns
+
+# Reads of the job's own counter: a few at the start (a read racing the
+# increment is off by one; the most frequent offset wins), then one a minute
+# to notice a resumed or restarted loop.
+JOB_ITERATION_READS = 3
+JOB_ITERATION_SPACING_NS = 1_000_000_000
+JOB_ITERATION_REFRESH_NS = 60_000_000_000
+
+
+class StackMonitor:
+    """Samples the primary rank's stacks; ``poll()`` returns log records.
+
+    - ``phase``: spans of the training (main) thread, one record per run of
+      samples in the same phase, split at each poll so the aggregator knows
+      how far the samples reach;
+    - ``marker`` (``optimizer_step``) when ``detect_iterations``: iteration
+      boundaries found in the samples;
+    - ``job_iteration``: the job's own counter read from a local variable.
+    """
+
+    def __init__(self, primary: TargetProcess, *, detect_iterations: bool,
+                 iteration_function: str | None = None,
+                 iteration_variable: str | None = None, rate_hz: int = DEFAULT_RATE_HZ) -> None:
+        self.primary = primary
+        self.sampler = PySpySampler([primary.pid], rate_hz=rate_hz)
+        self.detector = IterationDetector(iteration_function) if detect_iterations else None
+        self.names = (iteration_variable,) if iteration_variable else DEFAULT_ITERATION_LOCALS
+        self._span: list[Any] | None = None  # [phase, start, end]
+        self._reads = 0
+        self._next_read_ns = 0
+
+    def start(self) -> None:
+        self.sampler.start()
+
+    def poll(self) -> list[dict[str, Any]]:
+        samples = self.sampler.poll()
+        records = self._phase_records(s for s in samples if s.tid == self.primary.pid)
+        if self.detector is not None:
+            records += [
+                {"type": "marker", "t_mono_ns": b.t_mono_ns, "pid": b.pid, "tid": b.tid,
+                 "kind": "optimizer_step", "name": "pyspy"}
+                for b in self.detector.feed(samples)
+            ]
+        now = monotonic_ns()
+        if now >= self._next_read_ns:
+            self._reads += 1
+            spacing = (JOB_ITERATION_SPACING_NS if self._reads < JOB_ITERATION_READS
+                       else JOB_ITERATION_REFRESH_NS)
+            self._next_read_ns = now + spacing
+            records += self._job_iteration()
+        return records
+
+    def _phase_records(self, samples: Any) -> list[dict[str, Any]]:
+        records = []
+        for s in samples:  # in time order
+            phase, end = classify_phase(s.frames), s.t_mono_ns + s.duration_ns
+            if self._span is not None and self._span[0] == phase:
+                self._span[2] = max(self._span[2], end)
+                continue
+            if self._span is not None:
+                records.append(self._span_record())
+            self._span = [phase, s.t_mono_ns, end]
+        if self._span is not None:
+            records.append(self._span_record())
+            self._span = [self._span[0], self._span[2], self._span[2]]
+        return [r for r in records if r["end_mono_ns"] > r["t_mono_ns"]]
+
+    def _span_record(self) -> dict[str, Any]:
+        assert self._span is not None
+        phase, start, end = self._span
+        return {"type": "phase", "t_mono_ns": start, "end_mono_ns": end,
+                "pid": self.primary.pid, "phase": phase}
+
+    def _job_iteration(self) -> list[dict[str, Any]]:
+        before = monotonic_ns()
+        try:
+            threads = dump_stacks(self.primary.pid, locals_=True)
+        except PerfmonError:
+            return []  # a failed read is no reason to stop; the count from attach stands
+        value = iteration_from_locals(threads, self.names)
+        if value is None:
+            return []
+        name = next((n for t in threads for f in t.frame_locals for n in self.names
+                     if n in f), self.names[0])
+        return [{"type": "job_iteration", "t_mono_ns": before, "end_mono_ns": monotonic_ns(),
+                 "pid": self.primary.pid, "value": value, "name": name}]
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+def dump_ranks(targets: list[TargetProcess]) -> dict[int, list[ThreadStack]]:
+    """Every rank's Python stacks, with native frames where py-spy can get them.
+
+    A native dump pauses the rank once (py-spy cannot unwind a running
+    process); when it fails, the Python-only dump is taken instead.
+    """
+    stacks: dict[int, list[ThreadStack]] = {}
+    for target in targets:
+        try:
+            stacks[target.pid] = dump_stacks(target.pid, native=True, timeout_s=30)
+        except PerfmonError:
+            try:
+                stacks[target.pid] = dump_stacks(target.pid)
+            except PerfmonError:
+                stacks[target.pid] = []
+    return stacks
+
+
+def main_stacks(stacks: dict[int, list[ThreadStack]]) -> list[tuple[Any, ...]]:
+    """The main thread's frames of each rank that has one."""
+    mains = [main_thread(threads) for threads in stacks.values()]
+    return [m.frames for m in mains if m is not None]
+
