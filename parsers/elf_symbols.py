@@ -66,14 +66,18 @@ def find_function_symbols(
     str_off, str_size = strtab[4], strtab[5]
     dynstr = bytes(buf[str_off : str_off + str_size])
 
-    # Offsets in .dynstr where a name with the prefix starts (preceded by NUL).
-    wanted: dict[int, str] = {}
+    # Offsets in .dynstr where the prefix occurs. Not only at string starts: the
+    # linker stores a name that is the tail of another only once, so a symbol's
+    # name can begin mid-string (libcudart's "cudaLaunchKernel" inside
+    # "__cudaLaunchKernel", libnccl's "ncclAllReduce" inside "pncclAllReduce").
+    # An offset counts only when a symbol's st_name points at it.
+    # Several prefixes can start at one offset ("ncclReduce", "ncclReduceScatter").
+    wanted: dict[int, list[str]] = {}
     for prefix in prefixes:
         needle = prefix.encode()
         at = dynstr.find(needle)
         while at != -1:
-            if at == 0 or dynstr[at - 1] == 0:
-                wanted[at] = prefix
+            wanted.setdefault(at, []).append(prefix)
             at = dynstr.find(needle, at + 1)
 
     found: dict[str, list[ElfSymbol]] = {p: [] for p in prefixes}
@@ -81,10 +85,11 @@ def find_function_symbols(
         return found
     view = memoryview(buf)[sym_off : sym_off + sym_size]
     for st_name, st_info, _other, st_shndx, st_value, st_size in _SYM.iter_unpack(view):
-        match = wanted.get(st_name)
-        if match is None or st_shndx == _SHN_UNDEF or st_info & 0xF != _STT_FUNC:
+        matches = wanted.get(st_name)
+        if matches is None or st_shndx == _SHN_UNDEF or st_info & 0xF != _STT_FUNC:
             continue
         end = dynstr.index(b"\0", st_name)
         name = dynstr[st_name:end].decode("ascii", "replace")
-        found[match].append(ElfSymbol(name, st_value, st_size))
+        for prefix in matches:
+            found[prefix].append(ElfSymbol(name, st_value, st_size))
     return found

@@ -238,16 +238,22 @@ class MarkerProbe(Sampler[MarkerEvent]):
         return events
 
     def _close(self) -> None:
-        if self._bpf is None:
-            return
-        from bcc import lib
+        if self._bpf is not None:
+            close_bpf(self._bpf)
+            self._bpf = None
 
-        # Closing the perf event fd detaches the uprobe. bcc 0.26's own
-        # detach_uprobe_event then also writes to tracefs' uprobe_events, which
-        # fails (and raises) where probes were attached through the perf uprobe
-        # PMU and tracefs is not mounted, so close the fds here first.
-        for ev_name, fd in list(self._bpf.uprobe_fds.items()):
-            lib.bpf_close_perf_event_fd(fd)
-            self._bpf._del_uprobe_fd(ev_name)
-        self._bpf.cleanup()
-        self._bpf = None
+
+def close_bpf(bpf: Any) -> None:
+    """Detach every probe of a bcc ``BPF`` object and free it.
+
+    Closing a uprobe's perf event fd detaches it. bcc 0.26's own clean-up then
+    also writes to tracefs' ``uprobe_events``, which fails (and raises) where
+    probes were attached through the perf uprobe PMU and tracefs is not
+    mounted, so the fds are closed here first.
+    """
+    from bcc import lib
+
+    for ev_name, fd in list(bpf.uprobe_fds.items()):
+        lib.bpf_close_perf_event_fd(fd)
+        bpf._del_uprobe_fd(ev_name)
+    bpf.cleanup()

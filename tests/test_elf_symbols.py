@@ -31,6 +31,8 @@ def test_finds_the_probed_functions_in_the_installed_libtorch():
 def test_prefix_matches_whole_names_only_and_skips_undefined(tmp_path):
     src = tmp_path / "lib.c"
     src.write_text("int probe_me(void){return 1;}\nint probe_me_too(void){return 2;}\n"
+                   "int pncclAllReduce(void){return 4;}\n"
+                   "int ncclAllReduce(void) __attribute__((alias(\"pncclAllReduce\")));\n"
                    "int data_not_func = 3;\nextern int puts(const char*);\n"
                    "int calls_puts(void){return puts(\"x\");}\n")
     lib = tmp_path / "libx.so"
@@ -40,6 +42,12 @@ def test_prefix_matches_whole_names_only_and_skips_undefined(tmp_path):
     assert found["data_not"] == []  # an object, not a function
     assert found["puts"] == []  # undefined here: it lives in libc
     assert found["nothing"] == []
+    # A name stored as the tail of another (the linker merges them) is found too.
+    found = find_function_symbols(lib.read_bytes(), ["ncclAllReduce", "probe_me", "probe_me_t"])
+    assert [s.name for s in found["ncclAllReduce"]] == ["ncclAllReduce"]
+    # Prefixes that start at the same place each get their matches.
+    assert sorted(s.name for s in found["probe_me"]) == ["probe_me", "probe_me_too"]
+    assert [s.name for s in found["probe_me_t"]] == ["probe_me_too"]
 
 
 def test_not_an_elf_file_is_an_error():

@@ -1,0 +1,489 @@
+"""CUDA kernel launches, time blocked on the GPU, and NCCL traffic, from eBPF uprobes (bcc).
+
+Measures, per target process, as CUMULATIVE counters kept in BPF maps (the
+caller differences them, e.g. at iteration boundaries):
+
+- kernel launches: entries of the runtime's ``cudaLaunchKernel``,
+  ``cudaLaunchKernelExC`` and ``cudaLaunchCooperativeKernel`` (libcudart) and
+  of the driver's ``cuLaunchKernel``, ``cuLaunchKernelEx`` and
+  ``cuLaunchCooperativeKernel`` (libcuda; cuBLAS, Triton and NCCL launch
+  here), each with its per-thread-default-stream twin (``_ptsz``). The runtime
+  forwards every launch to the driver; a launch entry point entered from
+  inside libcudart or libcuda (its return address lies in their code) is
+  counted apart as *forwarded*, so each launch is counted once.
+  ``cudaGraphLaunch``/``cuGraphLaunch`` are counted apart (a graph holds many
+  kernels that are not launched one by one).
+- time blocked: wall time spent inside ``cudaStreamSynchronize``,
+  ``cudaDeviceSynchronize``, ``cudaEventSynchronize`` and ``cudaMemcpy`` (and
+  their ``_ptsz``/``_ptds`` twins), per thread from entry to return, summed; a
+  blocking call made inside another counts once. Attributed when it returns.
+- NCCL: calls and bytes of ``ncclAllReduce``, ``ncclReduceScatter``,
+  ``ncclAllGather``, ``ncclBroadcast``, ``ncclReduce``, ``ncclSend``,
+  ``ncclRecv`` and (NCCL 2.28+) ``ncclAlltoAll``, ``ncclGather``,
+  ``ncclScatter``, with their ``*Config`` twins (2.32+); bytes = the call's
+  count argument x the size of its ncclDataType_t. That count is per rank: the
+  whole buffer for all-reduce, broadcast, reduce, send and recv, but one
+  rank's slice for all-gather (sendcount), reduce-scatter (recvcount),
+  all-to-all, gather and scatter. See docs/cuda-nccl.md.
+
+Only exact exported names are probed (``.dynsym``); aliases at one address
+(NCCL's ``pncclX`` profiling names) are probed once. Libraries are found in
+/proc/PID/maps (basenames ``libcudart.so*``, ``libcuda.so*``, ``libnccl.so*``,
+wherever they live) and reached through /proc/PID/root, so containers work. A
+library the target has not loaded is not probed (``warnings`` says so); with
+none loaded the probe is ``available = False`` and ``reason`` says why.
+Libraries loaded after ``start()`` are not probed.
+
+Cost: one uprobe trap per probed call on the calling thread, and a second at
+the return of the blocking calls; a PyTorch ``cudaLaunchKernel`` takes two
+(the runtime entry and the driver entry it forwards to). The BPF work per call
+(one hash lookup, an 8-byte user read, a few compares) is lost in the trap's
+cost; nothing is copied out per call and ``poll()`` is one map lookup per
+target. Measured on the project's test VM (kernel 6.18): about 10 us per trap,
+i.e. ~20 us per PyTorch launch, so 10,000 launches a second would cost ~20% of
+the launching thread there; uprobe traps are usually several times cheaper on
+bare metal (not measured here). Set-up: ~0.5 s of BPF compilation plus one
+perf event per probed function per target (up to ~50).
+
+Needs: root, or CAP_SYS_PTRACE plus CAP_BPF + CAP_PERFMON (Linux >= 5.8) or
+CAP_SYS_ADMIN; bcc's Python module and kernel headers, as
+:mod:`perfmon.probes.uprobes`. x86-64 only (argument registers and the
+return-address read at function entry). CUDA 11.x/12.x (``cuLaunchKernelEx``
+and ``cudaLaunchKernelExC`` from 11.8 are probed where present); NCCL 2.x
+(fp8 datatypes 10 and 11 from NCCL 2.24).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from perfmon.parsers import procfs
+from perfmon.parsers.elf_symbols import find_function_symbols
+from perfmon.probes.errors import NoSuchProcess, PrerequisiteMissing, PrivilegeError
+from perfmon.probes.procfs import TargetProcess
+from perfmon.probes.sampler import Sampler, monotonic_ns
+from perfmon.probes.uprobes import check_ebpf_prerequisites, close_bpf, kernel_headers_dir
+
+# Collectives: the key used in CudaCounters.nccl_calls/nccl_bytes (and in the
+# names of the BPF program, on_nccl_<key>, and counters) -> its NCCL entry point.
+NCCL_COLLECTIVES = {
+    "all_reduce": "ncclAllReduce",
+    "reduce_scatter": "ncclReduceScatter",
+    "all_gather": "ncclAllGather",
+    "broadcast": "ncclBroadcast",  # ncclBcast (in place) calls it: counted here once
+    "reduce": "ncclReduce",
+    "send": "ncclSend",
+    "recv": "ncclRecv",
+    "all_to_all": "ncclAlltoAll",  # NCCL 2.28+
+    "gather": "ncclGather",  # NCCL 2.28+
+    "scatter": "ncclScatter",  # NCCL 2.28+
+}
+# NCCL 2.32 adds a twin of every collective taking a trailing ncclCollConfig_t*
+# (count and datatype where they are in the plain one); it is separate code,
+# not a wrapper of the plain call, so both are probed and counted under one key.
+NCCL_CONFIG_SUFFIX = "Config"
+
+# ncclDataType_t (nccl.h) -> bytes per element. 10 and 11 are ncclFloat8e4m3
+# and ncclFloat8e5m2 (NCCL 2.24+); older NCCL rejects them, so listing them is safe.
+NCCL_DTYPE_BYTES = {
+    0: 1,  # ncclInt8 / ncclChar
+    1: 1,  # ncclUint8
+    2: 4,  # ncclInt32 / ncclInt
+    3: 4,  # ncclUint32
+    4: 8,  # ncclInt64
+    5: 8,  # ncclUint64
+    6: 2,  # ncclFloat16 / ncclHalf
+    7: 4,  # ncclFloat32 / ncclFloat
+    8: 8,  # ncclFloat64 / ncclDouble
+    9: 2,  # ncclBfloat16
+    10: 1,  # ncclFloat8e4m3
+    11: 1,  # ncclFloat8e5m2
+}
+
+# Entry points per library: symbol -> BPF program. The _ptsz/_ptds names are
+# what code built with --default-stream per-thread calls instead of the legacy
+# name; both are probed, and a call between them inside the library is told
+# apart by the caller check (launches) or the stack pointer (blocking calls).
+RUNTIME_LAUNCH_SYMBOLS = (
+    "cudaLaunchKernel", "cudaLaunchKernel_ptsz",
+    "cudaLaunchKernelExC", "cudaLaunchKernelExC_ptsz",
+    "cudaLaunchCooperativeKernel", "cudaLaunchCooperativeKernel_ptsz",
+)
+DRIVER_LAUNCH_SYMBOLS = (
+    "cuLaunchKernel", "cuLaunchKernel_ptsz",
+    "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
+    "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel_ptsz",
+)
+RUNTIME_GRAPH_SYMBOLS = ("cudaGraphLaunch", "cudaGraphLaunch_ptsz")
+DRIVER_GRAPH_SYMBOLS = ("cuGraphLaunch", "cuGraphLaunch_ptsz")
+SYNC_SYMBOLS = (
+    "cudaStreamSynchronize", "cudaStreamSynchronize_ptsz",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy", "cudaMemcpy_ptds",
+)
+
+_ENTRY, _ENTRY_AND_RETURN = "entry", "entry+return"
+
+
+@dataclass(frozen=True)
+class _Library:
+    name: str  # as reported: "libcudart", "libcuda", "libnccl"
+    basename_prefix: str  # in /proc/PID/maps; "libcuda.so" does not match libcudart
+    probes: tuple[tuple[str, str, str], ...]  # (symbol, BPF program, _ENTRY or _ENTRY_AND_RETURN)
+    forwards_launches: bool  # its code calls launch entry points on the caller's behalf
+    measures: str  # what is lost when it is not loaded (for warnings)
+
+
+LIBRARIES = (
+    _Library(
+        "libcudart", "libcudart.so",
+        (
+            *((s, "on_runtime_launch", _ENTRY) for s in RUNTIME_LAUNCH_SYMBOLS),
+            *((s, "on_graph_launch", _ENTRY) for s in RUNTIME_GRAPH_SYMBOLS),
+            *((s, "on_sync_enter", _ENTRY_AND_RETURN) for s in SYNC_SYMBOLS),
+        ),
+        forwards_launches=True,
+        measures="runtime launches and time blocked in synchronising calls",
+    ),
+    _Library(
+        "libcuda", "libcuda.so",
+        (
+            *((s, "on_driver_launch", _ENTRY) for s in DRIVER_LAUNCH_SYMBOLS),
+            *((s, "on_graph_launch", _ENTRY) for s in DRIVER_GRAPH_SYMBOLS),
+        ),
+        forwards_launches=True,
+        measures="driver-API launches (cuBLAS, Triton, NCCL kernels)",
+    ),
+    _Library(
+        "libnccl", "libnccl.so",
+        tuple(
+            (sym + suffix, f"on_nccl_{key}", _ENTRY)
+            for key, sym in NCCL_COLLECTIVES.items()
+            # ncclSend/ncclRecv have no Config twin
+            for suffix in (("",) if key in ("send", "recv") else ("", NCCL_CONFIG_SUFFIX))
+        ),
+        forwards_launches=False,  # NCCL's own kernels are real launches: counted
+        measures="NCCL collectives",
+    ),
+)
+
+# Counter ids, shared with cuda.bpf.c through -D cflags (CTR_<NAME>=index).
+_COUNTERS = (
+    "runtime_launches",
+    "driver_launches",
+    "forwarded_launches",
+    "graph_launches",
+    "forwarded_graph_launches",
+    "sync_calls",
+    "sync_wait_ns",
+    "sync_untracked",
+    "nccl_unknown_dtype_calls",
+    *(f"nccl_calls_{key}" for key in NCCL_COLLECTIVES),
+    *(f"nccl_bytes_{key}" for key in NCCL_COLLECTIVES),
+)
+_MAX_TEXT_RANGES = 4
+_NCCL_DTYPES = 16
+_MAX_SYNC_THREADS = 16384
+
+
+@dataclass(frozen=True)
+class CudaCounters:
+    """Cumulative counts for one process since the probes were attached.
+
+    ``t_mono_ns`` (CLOCK_MONOTONIC) is taken just before the kernel map is read.
+    """
+
+    t_mono_ns: int
+    pid: int
+    kernel_launches: int  # runtime_launches + driver_launches; excludes graph launches
+    sync_wait_ns: int  # wall time inside blocking calls that have returned
+    nccl_calls: dict[str, int]  # keys: NCCL_COLLECTIVES, always all present
+    nccl_bytes: dict[str, int]  # count argument x datatype size, summed (see module doc)
+    runtime_launches: int = 0  # made through libcudart
+    driver_launches: int = 0  # made through libcuda by anything but libcudart/libcuda
+    forwarded_launches: int = 0  # driver (or _ptsz) entries made by the CUDA libraries
+    graph_launches: int = 0  # cudaGraphLaunch / cuGraphLaunch, not forwarded
+    sync_calls: int = 0  # blocking calls that have returned (outermost only)
+    sync_untracked: int = 0  # blocking calls not timed (return unseen, or table full)
+    nccl_unknown_dtype_calls: int = 0  # calls with a datatype not in NCCL_DTYPE_BYTES
+
+
+@dataclass
+class _TargetLibraries:
+    """What one target has loaded: library name -> paths as the target sees them."""
+
+    target: TargetProcess
+    paths: dict[str, list[str]] = field(default_factory=dict)
+    # Executable address ranges of the libraries that forward launches.
+    forwarding_text: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _read_maps(target: TargetProcess) -> str:
+    path = f"/proc/{target.pid}/maps"
+    try:
+        with open(path) as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError) as err:
+        raise NoSuchProcess(f"pid {target.pid} ({target.name}): process exited") from err
+    except PermissionError as err:
+        raise PrivilegeError(
+            f"pid {target.pid} ({target.name}): permission denied reading {path} "
+            "(needs root with CAP_SYS_PTRACE)"
+        ) from err
+
+
+def _address_ranges(maps_text: str) -> dict[str, tuple[int, int]]:
+    """Lowest start and highest end address of each mapped file.
+
+    (parsers.procfs.MappedFile has no end address yet; only the two columns
+    needed here are read.)
+    """
+    ranges: dict[str, tuple[int, int]] = {}
+    for line in maps_text.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/"):
+            continue
+        lo_text, _, hi_text = parts[0].partition("-")
+        lo, hi = int(lo_text, 16), int(hi_text, 16)
+        old = ranges.get(parts[5])
+        ranges[parts[5]] = (min(lo, old[0]), max(hi, old[1])) if old else (lo, hi)
+    return ranges
+
+
+def _find_libraries(target: TargetProcess) -> _TargetLibraries:
+    text = _read_maps(target)
+    found = _TargetLibraries(target)
+    ranges = _address_ranges(text)
+    for mapping in procfs.parse_maps(text):
+        basename = mapping.path.rsplit("/", 1)[-1]
+        for lib in LIBRARIES:
+            if not basename.startswith(lib.basename_prefix):
+                continue
+            paths = found.paths.setdefault(lib.name, [])
+            if mapping.path in paths:
+                continue
+            paths.append(mapping.path)
+            if lib.forwards_launches and mapping.path in ranges:
+                # The whole span of the library: its non-code parts hold no return addresses.
+                found.forwarding_text.append(ranges[mapping.path])
+    return found
+
+
+def _exact_symbols(host_path: str, names: Iterable[str]) -> dict[str, int]:
+    """Exported function name -> address, for the names present; one name per address.
+
+    Raises OSError or ElfError when the file cannot be read as ELF64.
+    """
+    names = list(names)
+    with open(host_path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as buf:
+        found = find_function_symbols(buf, names)
+    addresses = {n: s.address for n in names for s in found[n] if s.name == n}
+    by_name: dict[str, int] = {}
+    seen: set[int] = set()
+    for name in names:  # table order: the legacy name before its _ptsz twin
+        address = addresses.get(name)
+        if address is not None and address not in seen:
+            by_name[name] = address
+            seen.add(address)
+    return by_name
+
+
+class CudaActivityProbe(Sampler[CudaCounters]):
+    """In-kernel counters of CUDA launches, blocking waits and NCCL calls of some processes.
+
+    After ``start()``: ``available`` says whether anything was probed (with
+    ``reason`` when not), ``attached`` maps each probed library path (as the
+    targets see it) to the functions probed in it, and ``warnings`` lists what
+    is not measured and why (a library not loaded, a function not exported).
+    ``poll()`` returns one :class:`CudaCounters` per probed target without
+    blocking. Raises PrerequisiteMissing or PrivilegeError from ``start()`` when
+    libraries are loaded but eBPF cannot be used, NoSuchProcess when a target
+    has exited.
+    """
+
+    def __init__(self, targets: list[TargetProcess]) -> None:
+        super().__init__()
+        self.targets = targets
+        self.available = False
+        self.reason: str | None = None
+        self.attached: dict[str, list[str]] = {}
+        self.warnings: list[str] = []
+        self._bpf: Any = None
+        self._pids: list[int] = []
+
+    def _start(self) -> None:
+        loaded = [_find_libraries(t) for t in self.targets]
+        for found in loaded:
+            t = found.target
+            for lib in LIBRARIES:
+                if lib.name not in found.paths:
+                    self.warnings.append(
+                        f"pid {t.pid} ({t.name}): {lib.basename_prefix}* is not loaded: "
+                        f"{lib.measures} not counted"
+                    )
+        probed = [f for f in loaded if f.paths]
+        if not probed:
+            pids = ", ".join(str(t.pid) for t in self.targets)
+            self.reason = (
+                f"no CUDA runtime, driver or NCCL library (libcudart.so*, libcuda.so*, "
+                f"libnccl.so*) in /proc/PID/maps of pid {pids}: a CPU-only job, or CUDA "
+                "not initialised yet"
+            )
+            return
+        # Also before reading symbols, which may need bcc's resolver.
+        check_ebpf_prerequisites()
+        plans = {f.target.pid: self._plan(f) for f in probed}
+        if not any(plans.values()):
+            self.reason = (
+                "the loaded CUDA/NCCL libraries export none of the probed functions: "
+                + "; ".join(self.warnings))
+            return
+        self._compile()
+        try:
+            self._fill_tables(probed)
+            failures = [err for f in probed for err in self._attach(f.target, plans[f.target.pid])]
+        except Exception:
+            self._close()
+            raise
+        if not self.attached:
+            self._close()
+            raise PrerequisiteMissing(
+                f"pid {os.getpid()} (perfmon-agent): no CUDA/NCCL uprobe could be attached: "
+                + "; ".join(failures))
+        self._pids = [f.target.pid for f in probed if plans[f.target.pid]]
+        self.available = True
+
+    def _plan(self, found: _TargetLibraries) -> list[tuple[str, str, str, str]]:
+        """(path as the target sees it, symbol, BPF program, kind) to attach for one target."""
+        t = found.target
+        plan = []
+        for lib in LIBRARIES:
+            for path in found.paths.get(lib.name, []):
+                if path.endswith(" (deleted)"):
+                    self.warnings.append(
+                        f"pid {t.pid} ({t.name}): {path} was replaced on disk since it was "
+                        "loaded: not probed"
+                    )
+                    continue
+                wanted = {sym: (prog, kind) for sym, prog, kind in lib.probes}
+                try:
+                    symbols = _exact_symbols(f"/proc/{t.pid}/root{path}", wanted)
+                except Exception as err:  # OSError, ElfError, or bcc's bare Exception
+                    self.warnings.append(
+                        f"pid {t.pid} ({t.name}): cannot read symbols of {path}: {err}")
+                    continue
+                if not symbols:
+                    self.warnings.append(
+                        f"pid {t.pid} ({t.name}): {path} exports none of "
+                        f"{', '.join(wanted)}: {lib.measures} not counted")
+                for sym in symbols:
+                    plan.append((path, sym, *wanted[sym]))
+        return plan
+
+    def _compile(self) -> None:
+        from bcc import BPF
+
+        source = resources.files("perfmon.probes").joinpath("bpf/cuda.bpf.c").read_bytes()
+        cflags = [
+            f"-DN_COUNTERS={len(_COUNTERS)}",
+            *(f"-DCTR_{name.upper()}={i}" for i, name in enumerate(_COUNTERS)),
+            f"-DMAX_TEXT_RANGES={_MAX_TEXT_RANGES}",
+            f"-DMAX_TARGETS={max(1, len(self.targets))}",
+            f"-DMAX_SYNC_THREADS={_MAX_SYNC_THREADS}",
+            f"-DNCCL_DTYPES={_NCCL_DTYPES}",
+        ]
+        try:
+            self._bpf = BPF(text=source, cflags=cflags)
+        except Exception as err:  # bcc raises bare Exception on compile failure
+            raise PrerequisiteMissing(
+                f"pid {os.getpid()} (perfmon-agent): BPF program cuda.bpf.c failed to compile "
+                f"(kernel headers at {kernel_headers_dir()}): {err}"
+            ) from err
+
+    def _fill_tables(self, probed: list[_TargetLibraries]) -> None:
+        sizes = self._bpf["nccl_dtype_bytes"]
+        for dtype, size in NCCL_DTYPE_BYTES.items():
+            sizes[ctypes.c_int(dtype)] = ctypes.c_uint(size)
+        pids = self._bpf["pids"]
+        for found in probed:
+            t = found.target
+            state = pids.Leaf()  # zeroed counters
+            ranges = found.forwarding_text
+            if len(ranges) > _MAX_TEXT_RANGES:
+                self.warnings.append(
+                    f"pid {t.pid} ({t.name}): {len(ranges)} copies of libcudart/libcuda loaded; "
+                    f"only {_MAX_TEXT_RANGES} are recognised as callers, so launches forwarded "
+                    "by the others are counted twice")
+            for i, (lo, hi) in enumerate(ranges[:_MAX_TEXT_RANGES]):
+                state.text_lo[i], state.text_hi[i] = lo, hi
+            pids[ctypes.c_uint(t.pid)] = state
+
+    def _attach(self, target: TargetProcess, plan: list[tuple[str, str, str, str]]) -> list[str]:
+        """Attach one target's probes; returns why some could not be (also in ``warnings``).
+
+        One refused function (the kernel rejects a uprobe on some first
+        instructions, e.g. LOCK-prefixed ones) leaves the others measuring.
+        """
+        failures = []
+        for path, sym, prog, kind in plan:
+            host = f"/proc/{target.pid}/root{path}".encode()
+            try:
+                # The return probe first: a call entered between the two attaches
+                # then has no entry recorded (ignored) rather than an entry whose
+                # return is never seen (which the program must heal).
+                if kind == _ENTRY_AND_RETURN:
+                    self._bpf.attach_uretprobe(
+                        name=host, sym=sym.encode(), fn_name=b"on_sync_exit", pid=target.pid)
+                self._bpf.attach_uprobe(
+                    name=host, sym=sym.encode(), fn_name=prog.encode(), pid=target.pid)
+            except Exception as err:  # bcc raises bare Exception on attach failure
+                failures.append(f"pid {target.pid} ({target.name}): cannot attach uprobe to "
+                                f"{sym} in {path}: {err}")
+                self.warnings.append(failures[-1] + ": not counted")
+                continue
+            names = self.attached.setdefault(path, [])
+            if sym not in names:
+                names.append(sym)
+        return failures
+
+    def _poll(self) -> list[CudaCounters]:
+        if self._bpf is None:
+            return []
+        table = self._bpf["pids"]
+        snapshots = []
+        for pid in self._pids:
+            t = monotonic_ns()
+            try:
+                state = table[ctypes.c_uint(pid)]
+            except KeyError:  # only if the entry was removed: never by this module
+                continue
+            c = dict(zip(_COUNTERS, (int(v) for v in state.counter), strict=True))
+            snapshots.append(CudaCounters(
+                t_mono_ns=t,
+                pid=pid,
+                kernel_launches=c["runtime_launches"] + c["driver_launches"],
+                sync_wait_ns=c["sync_wait_ns"],
+                nccl_calls={k: c[f"nccl_calls_{k}"] for k in NCCL_COLLECTIVES},
+                nccl_bytes={k: c[f"nccl_bytes_{k}"] for k in NCCL_COLLECTIVES},
+                runtime_launches=c["runtime_launches"],
+                driver_launches=c["driver_launches"],
+                forwarded_launches=c["forwarded_launches"],
+                graph_launches=c["graph_launches"],
+                sync_calls=c["sync_calls"],
+                sync_untracked=c["sync_untracked"],
+                nccl_unknown_dtype_calls=c["nccl_unknown_dtype_calls"],
+            ))
+        return snapshots
+
+    def _close(self) -> None:
+        if self._bpf is None:
+            return
+        close_bpf(self._bpf)
+        self._bpf = None

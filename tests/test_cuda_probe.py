@@ -1,0 +1,227 @@
+"""CudaActivityProbe against a real PyTorch process driving fake CUDA/NCCL libraries.
+
+The fakes (tests/fakes/fake_cuda.c, fake_nccl.c) have the real C ABI and the
+real libraries' habits that matter to the probe: the runtime forwards launches
+to the driver, _ptsz entry points call the legacy ones, cudaDeviceSynchronize
+waits inside cudaStreamSynchronize, NCCL launches its kernels through the
+driver and exports each ncclX with a pncclX alias. The target writes its own
+CLOCK_MONOTONIC stamp before each optimizer.step(); the counters read between
+two stamps must differ by exactly one iteration's scripted calls.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+from dataclasses import astuple, dataclass
+from pathlib import Path
+
+import pytest
+from perfmon.probes.cuda import NCCL_COLLECTIVES, CudaActivityProbe, CudaCounters
+from perfmon.probes.procfs import inspect_process
+
+from tests.fakes.build_cuda import FakeCudaLibraries, build_fake_cuda
+
+TRAIN_FAKE_CUDA = Path(__file__).parent / "targets" / "train_fake_cuda.py"
+DTYPE_BYTES = {"int8": 1, "uint8": 1, "int32": 4, "float16": 2, "bfloat16": 2, "float32": 4,
+               "int64": 8, "float64": 8, "float8e4m3": 1}
+
+# One iteration's calls, as train_fake_cuda.py flags.
+SCRIPT = {
+    "runtime_launches": 3,  # cudaLaunchKernel: forwarded to cuLaunchKernel
+    "runtime_ptsz_launches": 2,  # -> cudaLaunchKernel -> cuLaunchKernel
+    "runtime_ex_launches": 1,  # cudaLaunchKernelExC -> cuLaunchKernelEx
+    "driver_launches": 4,  # cuLaunchKernel, as cuBLAS and Triton call it
+    "driver_ptsz_launches": 1,  # -> cuLaunchKernel
+    "driver_ex_launches": 1,
+    "graph_launches": 2,  # cudaGraphLaunch -> cuGraphLaunch
+    "stream_syncs": 2,
+    "device_syncs": 1,  # waits inside cudaStreamSynchronize: one blocking call
+    "event_syncs": 1,
+    "memcpys": 1,
+    "sync_us": 2000,
+}
+NCCL_SCRIPT = [
+    ("all_reduce", 4096, "float32"),
+    ("all_reduce", 1000, "bfloat16"),
+    ("all_reduce_config", 64, "float16"),  # ncclAllReduceConfig: counted as all_reduce
+    ("reduce_scatter", 512, "float16"),
+    ("all_gather", 300, "float8e4m3"),
+    ("broadcast", 100, "int64"),
+    ("reduce", 10, "float64"),
+    ("all_to_all", 128, "int32"),
+    ("gather", 7, "uint8"),
+    ("scatter", 9, "float32"),
+    ("send", 333, "int8"),  # send and recv go in one ncclGroupStart/End
+    ("recv", 333, "uint8"),
+]
+
+
+@dataclass(frozen=True)
+class Expected:
+    kernel_launches: int
+    runtime_launches: int
+    driver_launches: int
+    forwarded_launches: int
+    graph_launches: int
+    sync_calls: int
+    sync_wait_ns: int
+    nccl_calls: dict[str, int]
+    nccl_bytes: dict[str, int]
+
+
+def expected_per_iteration(script: dict[str, int], nccl: list[tuple[str, int, str]]) -> Expected:
+    """What one iteration of train_fake_cuda.py calls, counted as the probe defines it."""
+    s = script
+    p2p = [c for c in nccl if c[0] in ("send", "recv")]
+    # The fake NCCL launches one kernel per ungrouped call and one per group.
+    nccl_kernels = len(nccl) - len(p2p) + (1 if p2p else 0)
+    runtime = s["runtime_launches"] + s["runtime_ptsz_launches"] + s["runtime_ex_launches"]
+    driver = (s["driver_launches"] + s["driver_ptsz_launches"] + s["driver_ex_launches"]
+              + nccl_kernels)
+    forwarded = (s["runtime_launches"] + 2 * s["runtime_ptsz_launches"]
+                 + s["runtime_ex_launches"] + s["driver_ptsz_launches"])
+    syncs = s["stream_syncs"] + s["device_syncs"] + s["event_syncs"] + s["memcpys"]
+    calls = dict.fromkeys(NCCL_COLLECTIVES, 0)
+    nbytes = dict.fromkeys(NCCL_COLLECTIVES, 0)
+    for op, count, dtype in nccl:
+        key = op.removesuffix("_config")
+        calls[key] += 1
+        nbytes[key] += count * DTYPE_BYTES[dtype]
+    return Expected(runtime + driver, runtime, driver, forwarded, s["graph_launches"], syncs,
+                    syncs * s["sync_us"] * 1000, calls, nbytes)
+
+
+def script_args(libs: FakeCudaLibraries, script: dict[str, int],
+                nccl: list[tuple[str, int, str]]) -> list[str]:
+    args = ["--cuda-lib-dir", str(libs.lib_dir)]
+    for key, value in script.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    for op, count, dtype in nccl:
+        args += ["--nccl", f"{op}:{count}:{dtype}"]
+    return args
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> FakeCudaLibraries:
+    return build_fake_cuda(tmp_path_factory.mktemp("fake_cuda"))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    before_ns: int  # the test's clock just before poll() ...
+    after_ns: int  # ... and just after: the map was read in between
+    counters: CudaCounters
+
+    def values(self) -> tuple:
+        return astuple(self.counters)[2:]  # everything but t_mono_ns and pid
+
+
+def poll_for(probe: CudaActivityProbe, seconds: float) -> list[Snapshot]:
+    snapshots = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        before = time.monotonic_ns()
+        (counters,) = probe.poll()
+        snapshots.append(Snapshot(before, time.monotonic_ns(), counters))
+        time.sleep(0.002)
+    return snapshots
+
+
+def counters_at(snapshots: list[Snapshot], t_ns: int) -> CudaCounters | None:
+    """The counters at an instant, when two polls around it read the same values.
+
+    Counters only grow, so equal reads before and after mean nothing happened
+    in between; polls that straddle activity are no answer (None).
+    """
+    i = bisect.bisect_left([s.after_ns for s in snapshots], t_ns) - 1
+    if i < 0 or i + 1 >= len(snapshots):
+        return None
+    before, after = snapshots[i], snapshots[i + 1]
+    if not before.after_ns < t_ns < after.before_ns or before.values() != after.values():
+        return None
+    return before.counters
+
+
+def per_iteration_deltas(snapshots: list[Snapshot], stamps: list[tuple[int, int]]):
+    at = {n: counters_at(snapshots, t) for n, t in stamps}
+    return [(at[n], at[n + 1]) for n, _ in stamps if at.get(n) and at.get(n + 1)]
+
+
+@pytest.mark.usefixtures("ebpf")
+def test_counter_deltas_between_the_targets_step_stamps_equal_its_scripted_calls(
+    start_target, fake_cuda
+):
+    target = start_target(*script_args(fake_cuda, SCRIPT, NCCL_SCRIPT), script=TRAIN_FAKE_CUDA)
+    want = expected_per_iteration(SCRIPT, NCCL_SCRIPT)
+    with CudaActivityProbe([inspect_process(target.pid)]) as probe:
+        assert probe.available, probe.reason
+        assert probe.warnings == []
+        attached = {Path(path).name: names for path, names in probe.attached.items()}
+        assert set(attached["libcudart.so.12"]) == {
+            "cudaLaunchKernel", "cudaLaunchKernel_ptsz", "cudaLaunchKernelExC",
+            "cudaGraphLaunch", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+            "cudaEventSynchronize", "cudaMemcpy"}
+        assert set(attached["libcuda.so.1"]) == {
+            "cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuGraphLaunch"}
+        # Each ncclX once, never its pncclX alias at the same address.
+        assert sorted(attached["libnccl.so.2"]) == sorted(
+            [*NCCL_COLLECTIVES.values(), "ncclAllReduceConfig"])
+        snapshots = poll_for(probe, seconds=3.0)
+    assert probe.poll() == []  # closed
+
+    pairs = per_iteration_deltas(snapshots, target.timestamps())
+    assert len(pairs) >= 20, f"only {len(pairs)} iterations had quiet polls around both stamps"
+    waits_ns = []
+    for a, b in pairs:
+        assert b.kernel_launches - a.kernel_launches == want.kernel_launches
+        assert b.runtime_launches - a.runtime_launches == want.runtime_launches
+        assert b.driver_launches - a.driver_launches == want.driver_launches
+        assert b.forwarded_launches - a.forwarded_launches == want.forwarded_launches
+        assert b.graph_launches - a.graph_launches == want.graph_launches
+        assert b.sync_calls - a.sync_calls == want.sync_calls
+        assert {k: b.nccl_calls[k] - a.nccl_calls[k] for k in NCCL_COLLECTIVES} == want.nccl_calls
+        assert {k: b.nccl_bytes[k] - a.nccl_bytes[k] for k in NCCL_COLLECTIVES} == want.nccl_bytes
+        assert b.nccl_unknown_dtype_calls == b.sync_untracked == 0
+        waits_ns.append(b.sync_wait_ns - a.sync_wait_ns)
+    # Each blocking call sleeps sync_us on CLOCK_MONOTONIC (never less); the
+    # rest is timer slack (50 us by default) and the probes' own cost.
+    per_call_slack_ns = [(w - want.sync_wait_ns) / want.sync_calls for w in waits_ns]
+    assert min(waits_ns) >= want.sync_wait_ns
+    assert statistics.median(per_call_slack_ns) < 500_000
+    assert max(per_call_slack_ns) < 3_000_000
+
+
+@pytest.mark.usefixtures("ebpf")
+def test_a_job_without_nccl_is_probed_for_cuda_and_says_nccl_is_not_counted(
+    start_target, fake_cuda
+):
+    script = {**SCRIPT, "sync_us": 0}
+    target = start_target("--no-nccl", *script_args(fake_cuda, script, []),
+                          script=TRAIN_FAKE_CUDA)
+    with CudaActivityProbe([inspect_process(target.pid)]) as probe:
+        assert probe.available
+        assert not any("libnccl" in path for path in probe.attached)
+        (warning,) = probe.warnings
+        assert f"pid {target.pid}" in warning and "libnccl.so* is not loaded" in warning
+        first = probe.poll()[0]
+        target.wait_for_iterations(len(target.timestamps()) + 3)
+        last = probe.poll()[0]
+    assert last.kernel_launches - first.kernel_launches >= 2 * (
+        expected_per_iteration(script, []).kernel_launches)
+    assert set(last.nccl_calls) == set(NCCL_COLLECTIVES)
+    assert sum(last.nccl_calls.values()) == sum(last.nccl_bytes.values()) == 0
+
+
+def test_a_cpu_only_job_is_reported_unavailable_without_error(start_target):
+    target = start_target()  # train_gpt.py: PyTorch on CPU, no CUDA library mapped
+    probe = CudaActivityProbe([inspect_process(target.pid)])
+    probe.start()
+    assert probe.available is False
+    assert f"pid {target.pid}" in (probe.reason or "")
+    assert "libcudart" in (probe.reason or "")
+    assert probe.attached == {}
+    assert probe.poll() == []
+    probe.close()
+    probe.close()  # idempotent
