@@ -69,6 +69,44 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+CUDA_MATCH_NS = 1_000_000
+_CUDA_SCALARS = ("kernel_launches", "sync_wait_ns", "graph_launches")
+
+
+def _counter_delta(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    delta: dict[str, Any] = {k: last[k] - first[k] for k in _CUDA_SCALARS}
+    for table in ("nccl_calls", "nccl_bytes"):
+        delta[table] = {k: v - first[table].get(k, 0) for k, v in last[table].items()}
+    return delta
+
+
+def _counter_sum(total: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
+    if not total:
+        return delta
+    out: dict[str, Any] = {k: total[k] + delta[k] for k in _CUDA_SCALARS}
+    for table in ("nccl_calls", "nccl_bytes"):
+        out[table] = {k: total[table].get(k, 0) + v for k, v in delta[table].items()}
+    return out
+
+
+def _cuda_fields(delta: dict[str, Any] | None, iterations: int) -> dict[str, Any]:
+    """Per-iteration CUDA/NCCL figures of a counter delta over ``iterations``."""
+    if delta is None or iterations <= 0:
+        return dict.fromkeys(("kernels_per_iter", "cpu_sync_wait_ms", "nccl_calls_per_iter",
+                              "nccl_bytes_per_iter", "nccl_per_iter_by_collective"))
+    return {
+        "kernels_per_iter": delta["kernel_launches"] / iterations,
+        "cpu_sync_wait_ms": delta["sync_wait_ns"] / iterations / 1e6,
+        "nccl_calls_per_iter": sum(delta["nccl_calls"].values()) / iterations,
+        "nccl_bytes_per_iter": sum(delta["nccl_bytes"].values()) / iterations,
+        "nccl_per_iter_by_collective": {
+            name: {"calls": calls / iterations,
+                   "bytes": delta["nccl_bytes"].get(name, 0) / iterations}
+            for name, calls in delta["nccl_calls"].items() if calls
+        },
+    }
+
+
 def _scaled(value: float | None, factor: float) -> float | None:
     return value * factor if value is not None else None
 
@@ -163,6 +201,9 @@ class StepAggregator:
     # True when stack samples are expected: interval entries then wait (at most
     # PHASE_WAIT_NS of record time) for the samples that cover them.
     stack_sampling: bool = False
+    # True when CUDA counters are snapshotted at each Optimizer.step (probes/cuda.py):
+    # interval entries then wait for the snapshots at their ends too.
+    cuda_counters: bool = False
     iteration_logs: list[dict[str, Any]] = field(default_factory=list)
     iterations_ended: int = 0
     lost_events: int = 0
@@ -195,6 +236,9 @@ class StepAggregator:
     _job_bounds: list[tuple[int, int]] = field(default_factory=list)
     job_iteration_variable: str | None = None
     hangs: list[dict[str, Any]] = field(default_factory=list)
+    _cuda_at_step: dict[int, dict[str, Any]] = field(default_factory=dict)  # t -> counters
+    _cuda_sum: dict[str, Any] = field(default_factory=dict)  # deltas over finalized intervals
+    _cuda_iterations: int = 0
     gpu_events: list[dict[str, Any]] = field(default_factory=list)  # xid, ecc, lost
 
     def feed(self, record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -221,6 +265,8 @@ class StepAggregator:
             self._on_gpu(t_ns, record["gpus"])
         elif kind in ("xid", "ecc"):
             self.gpu_events.append({**record, "timestamp": self.wall_time(t_ns)})
+        elif kind == "cuda" and record["at_step"] and record["pid"] == self.primary_pid:
+            self._cuda_at_step[t_ns] = record
         elif kind == "job_iteration":
             self._job_reads.append(record)
             self.job_iteration_variable = record.get("name")
@@ -288,11 +334,13 @@ class StepAggregator:
         done = []
         while self._pending:
             entry, start, end, count = self._pending[0]
-            covered = self.phases.watermark_ns >= end
             waited = now is not None and now >= end + PHASE_WAIT_NS
-            if self.stack_sampling and not (covered or waited or final):
+            phases_in = not self.stack_sampling or self.phases.watermark_ns >= end
+            cuda_in = not self.cuda_counters or self._cuda_snapshot(end) is not None
+            if not ((phases_in and cuda_in) or waited or final):
                 break
             self._pending.pop(0)
+            entry.update(self._cuda_per_iteration(start, end, count))
             per_phase = self.phases.window_ns(start, end)
             self.phases.record(per_phase, count)
             entry["phases"] = PhaseAccount.breakdown(per_phase, count)
@@ -300,6 +348,29 @@ class StepAggregator:
             self.iteration_logs.append(entry)
             done.append(entry)
         return done
+
+    def _cuda_snapshot(self, t_ns: int) -> dict[str, Any] | None:
+        """The counters snapshotted in the kernel at the step entry at ``t_ns``.
+
+        The marker and the snapshot come from two uprobe programs on the same
+        call, microseconds apart.
+        """
+        near = [t for t in self._cuda_at_step if abs(t - t_ns) < CUDA_MATCH_NS]
+        return self._cuda_at_step[min(near, key=lambda t: abs(t - t_ns))] if near else None
+
+    def _cuda_per_iteration(self, start: int, end: int, count: int) -> dict[str, Any]:
+        """CUDA/NCCL figures per iteration between the step entries at ``start`` and ``end``."""
+        if not self.cuda_counters:
+            return {}
+        first, last = self._cuda_snapshot(start), self._cuda_snapshot(end)
+        self._cuda_at_step = {
+            t: c for t, c in self._cuda_at_step.items() if t >= end - CUDA_MATCH_NS}
+        if first is None or last is None:
+            return _cuda_fields(None, 0)
+        delta = _counter_delta(first, last)
+        self._cuda_sum = _counter_sum(self._cuda_sum, delta)
+        self._cuda_iterations += count
+        return _cuda_fields(delta, count)
 
     def _resolve_job_reads(self, until_ns: int | None) -> None:
         """Turn reads of the job's counter into offsets from our count.
@@ -486,5 +557,7 @@ class StepAggregator:
             "phases": PhaseAccount.breakdown(self.phases.total_ns,
                                              self.phases.total_iterations),
             "phases_source": self.phases.source,
+            **(_cuda_fields(self._cuda_sum or None, self._cuda_iterations)
+               if self.cuda_counters else {}),
             "hangs": self.hangs,
         }

@@ -22,10 +22,11 @@ from perfmon.agent.eventlog import EventLogWriter
 from perfmon.agent.gpu import GpuMonitor
 from perfmon.agent.health import run_health_check
 from perfmon.agent.model import build_workload, explicit_model_fields, resolve_model
-from perfmon.agent.stack_monitor import StackMonitor, dump_ranks, main_stacks
+from perfmon.agent.stack_monitor import StackMonitor, dump_ranks, main_python_stacks
 from perfmon.agent.summary import build_summary, finite, write_json_atomic
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.stack_analysis import innermost_common_frame
+from perfmon.probes.cuda import CudaActivityProbe
 from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError, SymbolNotFound
 from perfmon.probes.nvml import NvmlUnavailable
 from perfmon.probes.procfs import MemorySampler, TargetProcess, is_running, resolve_targets
@@ -123,13 +124,14 @@ class _Live:
 
     probe: MarkerProbe | None  # None in pyspy mode
     stacks: StackMonitor | None  # None without stack sampling
+    cuda: CudaActivityProbe | None  # None without uprobes or without CUDA libraries
     memory: MemorySampler
     gpu: GpuMonitor
     log: EventLogWriter
     aggregator: StepAggregator
 
     def close(self) -> None:
-        for part in (self.probe, self.stacks, self.memory, self.gpu):
+        for part in (self.probe, self.stacks, self.cuda, self.memory, self.gpu):
             if part is not None:
                 part.close()
 
@@ -230,6 +232,8 @@ class MonitorSession:
 
         # Raises before any file is written when the host cannot probe.
         source, probe, stacks = self._start_sources(source, targets)
+        cuda, cuda_info = (self._start_cuda(targets) if probe is not None
+                           else (None, {"available": False, "reason": "no uprobes (py-spy mode)"}))
         memory = MemorySampler(pids, opts.memory_interval_s)
         memory.start()
         start_ns, start_wall = monotonic_ns(), datetime.now().astimezone()
@@ -238,12 +242,13 @@ class MonitorSession:
         events_path = out_dir / f"perf_events_{stamp}.msgpack"
         facts = _session_facts(targets, {**model_source, **model_info}, start_wall, start_ns, opts)
         facts.update(iteration_source=source, warnings=self.warnings, gpu=gpu.info,
-                     stack_sampling=stacks is not None, workload=workload.__dict__)
+                     stack_sampling=stacks is not None, workload=workload.__dict__,
+                     cuda=cuda_info)
         if health is not None:
             facts["health"] = health
         aggregator = StepAggregator(
             workload, primary.pid, start_ns, start_wall.timestamp(), opts.log_interval,
-            stack_sampling=stacks is not None,
+            stack_sampling=stacks is not None, cuda_counters=cuda is not None,
         )
         log = EventLogWriter(events_path)
         log.append({"type": "session_start", "t_mono_ns": start_ns, "session": facts})
@@ -253,7 +258,7 @@ class MonitorSession:
         log.flush()
         write_json_atomic(summary_path, build_summary(facts, aggregator))
 
-        live = _Live(probe, stacks, memory, gpu, log, aggregator)
+        live = _Live(probe, stacks, cuda, memory, gpu, log, aggregator)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         deadline = start_ns + int(opts.duration_s * 1e9) if opts.duration_s else None
         next_liveness = next_rewrite = start_ns
@@ -294,6 +299,21 @@ class MonitorSession:
             write_json_atomic(summary_path, summary)
         return SessionResult(summary_path, events_path, summary, self.warnings)
 
+    def _start_cuda(
+        self, targets: list[TargetProcess]
+    ) -> tuple[CudaActivityProbe | None, dict[str, Any]]:
+        """CUDA/NCCL counters for jobs that loaded libcudart, libcuda or libnccl."""
+        cuda = CudaActivityProbe(targets)
+        try:
+            cuda.start()
+        except PerfmonError as err:
+            self._warning(f"CUDA/NCCL counters unavailable: {err}")
+            return None, {"available": False, "reason": str(err)}
+        self.warnings += cuda.warnings
+        if not cuda.available:
+            return None, {"available": False, "reason": cuda.reason}
+        return cuda, {"available": True, "attached": cuda.attached}
+
     @staticmethod
     def _health_check(pids: list[int]) -> dict[str, Any]:
         """The GPU health report before monitoring starts (``attach --health-check``)."""
@@ -309,6 +329,10 @@ class MonitorSession:
             # Stack records first: they carry the phase samples that interval
             # entries completed by this round's markers wait for.
             records += live.stacks.poll()
+        if live.cuda is not None:
+            # Step snapshots only (the periodic ones add nothing per iteration),
+            # before the markers they belong to.
+            records += [{"type": "cuda", **asdict(c)} for c in live.cuda.poll() if c.at_step]
         if live.probe is not None:
             records += [{"type": "marker", **e.__dict__} for e in live.probe.poll()]
             if live.probe.dropped > self._dropped_logged:
@@ -349,7 +373,7 @@ class MonitorSession:
             return False
         self._hang_since = agg.iterations_ended
         stacks = dump_ranks(targets)
-        frame = innermost_common_frame(main_stacks(stacks))
+        frame = innermost_common_frame(main_python_stacks(stacks))
         where = f"{frame.function} ({frame.file}:{frame.line})" if frame else "no common frame"
         path = out_dir / f"hang_report_{datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
         report = {

@@ -126,8 +126,9 @@ def dump_ranks(targets: list[TargetProcess]) -> dict[int, list[ThreadStack]]:
     return stacks
 
 
-def main_stacks(stacks: dict[int, list[ThreadStack]]) -> list[tuple[Any, ...]]:
-    """The main thread's frames of each rank that has one."""
+def main_python_stacks(stacks: dict[int, list[ThreadStack]]) -> list[tuple[Any, ...]]:
+    """The Python frames of each rank's main thread (native ones dropped: a stuck job's
+    innermost native frame is a wait like clock_nanosleep, which says little)."""
     mains = [main_thread(threads) for threads in stacks.values()]
-    return [m.frames for m in mains if m is not None]
+    return [tuple(f for f in m.frames if f.module is None) for m in mains if m is not None]
 

@@ -90,6 +90,7 @@ def summary_from_records(records: list[dict[str, Any]], truncated: bool) -> dict
         datetime.fromisoformat(facts["start_time"]).timestamp(),
         facts["log_interval"],
         stack_sampling=facts.get("stack_sampling", False),
+        cuda_counters=facts.get("cuda", {}).get("available", False),
     )
     for record in records[1:]:
         aggregator.feed(record)

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from tests.fakes.build import FakeNvml, build_fake_nvml
+from tests.fakes.build_cuda import FakeCudaLibraries, build_fake_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_GPT = ROOT / "tests" / "targets" / "train_gpt.py"
@@ -27,6 +28,12 @@ SUMMARY_SCHEMA = json.loads((ROOT / "docs" / "perf_summary.schema.json").read_te
 def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> FakeNvml:
     """The fake libnvidia-ml.so.1 (real C ABI), built once for the whole run."""
     return FakeNvml(build_fake_nvml(tmp_path_factory.mktemp("fake_nvml")))
+
+
+@pytest.fixture(scope="session")
+def fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> FakeCudaLibraries:
+    """Fake libcudart.so.12, libcuda.so.1 and libnccl.so.2 (real C ABI), built once."""
+    return build_fake_cuda(tmp_path_factory.mktemp("fake_cuda"))
 
 
 def ebpf_missing() -> str | None:

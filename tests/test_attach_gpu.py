@@ -7,10 +7,12 @@ import time
 
 import pytest
 
-from tests.conftest import load_summary, wait_for
+from tests.conftest import ROOT, load_summary, wait_for
 from tests.fakes.build import write_scenario
 
 pytestmark = pytest.mark.usefixtures("ebpf")
+
+TRAIN_FAKE_CUDA = ROOT / "tests" / "targets" / "train_fake_cuda.py"
 
 MODEL = ("num_layers: 2\nhidden_size: 128\nnum_attention_heads: 4\nseq_length: 64\n"
          "vocab_size: 512\nglobal_batch_size: 4\n")
@@ -79,3 +81,31 @@ def test_without_a_driver_the_summary_says_so_and_cpu_mode_goes_on(
     gpu = summary["session_info"]["gpu"]
     assert gpu["available"] is False and "NVML" in gpu["reason"]
     assert summary["final_statistics"]["memory_kind"] == "rss"
+
+
+def test_cuda_and_nccl_activity_per_iteration_equals_what_the_job_called(
+    fake_cuda, start_target, agent, out_dir
+):
+    # Per iteration: 3 runtime + 2 driver launches, 2 stream syncs of 1 ms each,
+    # an all-reduce of 1024 float32 (4096 B) and an all-gather of 256 bf16 (512 B).
+    target = start_target(
+        "--cuda-lib-dir", str(fake_cuda.lib_dir), "--idle-ms", "10",
+        "--runtime-launches", "3", "--driver-launches", "2", "--stream-syncs", "2",
+        "--sync-us", "1000", "--nccl", "all_reduce:1024:float32",
+        "--nccl", "all_gather:256:bfloat16",
+        script=TRAIN_FAKE_CUDA, warm_iterations=3)
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "5",
+                    "--log-interval", "10", "--no-stack-sampling", "--output-dir", str(out_dir))
+    assert run.returncode == 0, run.stderr
+    summary = load_summary(out_dir)
+    assert summary["session_info"]["cuda"]["available"], summary["session_info"]["cuda"]
+    logs = summary["iteration_logs"]
+    assert len(logs) >= 3
+    for entry in [*logs, summary["final_statistics"]]:
+        assert entry["kernels_per_iter"] == 5
+        assert entry["nccl_calls_per_iter"] == 2
+        assert entry["nccl_bytes_per_iter"] == 4096 + 512
+        assert 2.0 <= entry["cpu_sync_wait_ms"] < 3.0
+    by_kind = summary["final_statistics"]["nccl_per_iter_by_collective"]
+    assert by_kind["all_reduce"] == {"calls": 1, "bytes": 4096}
+    assert by_kind["all_gather"] == {"calls": 1, "bytes": 512}

@@ -1,0 +1,89 @@
+"""attach with stack sampling (py-spy) on real training processes: phases and hangs."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+
+import msgpack
+import pytest
+
+from tests.conftest import load_summary, wait_for
+
+pytestmark = pytest.mark.usefixtures("ebpf")
+
+
+def test_slow_data_loader_is_the_largest_phase_and_shares_add_up(start_target, agent, out_dir):
+    target = start_target("--data-delay-ms", "6")  # 4 samples a batch: ~24 ms loading a step
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "6",
+                    "--log-interval", "20", "--output-dir", str(out_dir))
+    assert run.returncode == 0, run.stderr
+    summary = load_summary(out_dir)
+    stats = summary["final_statistics"]
+    assert stats["phases_source"] == "uprobe+pyspy"
+    phases = stats["phases"]
+    shares = {name: p["share"] for name, p in phases.items()}
+    assert max(shares, key=shares.get) == "data_loading"
+    assert sum(shares.values()) == pytest.approx(1.0, abs=0.01)
+    # Per phase ms add up to the step time of the intervals they cover.
+    steps = [e["step_time_ms"] for e in summary["iteration_logs"]]
+    assert sum(p["ms"] for p in phases.values()) == pytest.approx(
+        sum(steps) / len(steps), rel=0.02)
+    for entry in summary["iteration_logs"]:
+        assert sum(p["share"] for p in entry["phases"].values()) == pytest.approx(1.0, abs=0.01)
+
+
+def test_stalled_job_gives_a_hang_report_naming_the_function_and_a_hung_summary(
+    start_target, agent, out_dir
+):
+    target = start_target("--stall-at", "60", warm_iterations=5)
+    proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
+                       "--hang-timeout", "3", "--hang-factor", "5")
+    reports = wait_for(lambda: list(out_dir.glob("hang_report_*.json")), timeout_s=60,
+                       what="a hang report")
+    report = json.loads(reports[0].read_text())
+    assert report["innermost_common_frame"]["function"] == "deliberately_stalled_collective"
+    assert str(target.pid) in report["ranks"] and report["no_iteration_for_s"] >= 3
+    summary = wait_for(lambda: (s := _summary(out_dir)) and s["session_info"]["hung"] and s,
+                       timeout_s=20, what="the summary to say hung")
+    (hang,) = summary["final_statistics"]["hangs"]
+    assert "deliberately_stalled_collective" in hang["frame"] and hang["recovered_at"] is None
+    proc.terminate()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    hang_lines = [li for li in err.splitlines() if "hang:" in li]
+    assert len(hang_lines) == 1 and "deliberately_stalled_collective" in hang_lines[0]
+
+
+def _summary(out_dir):
+    try:
+        return load_summary(out_dir)
+    except (ValueError, FileNotFoundError):
+        return None
+
+
+def test_pyspy_mode_mean_step_time_matches_the_targets_own_timestamps(
+    start_target, agent, out_dir
+):
+    # Steps long enough (AdamW ~0.1 s) that 100 Hz sampling sees every optimizer step.
+    target = start_target("--hidden-size", "768", "--num-layers", "4", "--micro-batch-size", "1")
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "10",
+                    "--iteration-source", "pyspy", "--log-interval", "5",
+                    "--output-dir", str(out_dir))
+    assert run.returncode == 0, run.stderr
+    summary = load_summary(out_dir)
+    info, stats = summary["session_info"], summary["final_statistics"]
+    assert info["iteration_source"] == "pyspy" and stats["phases_source"] == "pyspy"
+    # The boundaries the agent found, from its event log; each belongs to the
+    # latest step the target stamped before it (sampling finds it a little late).
+    (events,) = out_dir.glob("perf_events_*.msgpack")
+    ends = [r["t_mono_ns"] for r in msgpack.Unpacker(open(events, "rb"), raw=False)
+            if r["type"] == "marker" and r["t_mono_ns"] >= info["attach_monotonic_ns"]]
+    stamps = [t for _, t in target.timestamps()]
+    matched = [bisect.bisect_right(stamps, t + 20_000_000) - 1 for t in ends]
+    assert stats["measured_iterations"] >= 6
+    # No step missed or found twice: consecutive boundaries, consecutive steps.
+    assert [b - a for a, b in itertools.pairwise(matched)] == [1] * (len(matched) - 1)
+    truth_ms = (stamps[matched[-1]] - stamps[matched[0]]) / (len(matched) - 1) / 1e6
+    assert stats["avg_step_time_ms"] == pytest.approx(truth_ms, rel=0.02)
