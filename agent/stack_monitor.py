@@ -11,7 +11,7 @@ from perfmon.parsers.stack_analysis import (
     DEFAULT_ITERATION_LOCALS,
     IterationDetector,
     classify_phase,
-    iteration_from_locals,
+    iteration_local,
     main_thread,
 )
 from perfmon.probes.procfs import TargetProcess
@@ -96,11 +96,10 @@ class StackMonitor:
             threads = dump_stacks(self.primary.pid, locals_=True)
         except PerfmonError:
             return []  # a failed read is no reason to stop; the count from attach stands
-        value = iteration_from_locals(threads, self.names)
-        if value is None:
+        found = iteration_local(threads, self.names)
+        if found is None:
             return []
-        name = next((n for t in threads for f in t.frame_locals for n in self.names
-                     if n in f), self.names[0])
+        name, value = found
         return [{"type": "job_iteration", "t_mono_ns": before, "end_mono_ns": monotonic_ns(),
                  "pid": self.primary.pid, "value": value, "name": name}]
 

@@ -68,7 +68,8 @@ def test_missing_bcc_says_what_to_install(start_target, out_dir):
             "from perfmon.agent.cli import main; sys.exit(main())")
     run = subprocess.run(
         [sys.executable, "-c", code, "attach", "--pid", str(target.pid),
-         "--output-dir", str(out_dir), "--iteration-source", "uprobe"], capture_output=True, text=True, timeout=60, check=False)
+         "--output-dir", str(out_dir), "--iteration-source", "uprobe"],
+        capture_output=True, text=True, timeout=60, check=False)
     assert_one_line(run, 5, "bcc", "apt-get install python3-bpfcc")
 
 

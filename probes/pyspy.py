@@ -1,0 +1,408 @@
+"""Python stacks of training processes, sampled by py-spy from outside.
+
+Measures: every Python thread's stack (``--idle`` keeps waiting threads, such as
+a main thread blocked in a data loader) at ``rate_hz`` samples a second
+(:class:`PySpySampler`), and one-off snapshots with local variables or native
+frames (:func:`dump_stacks`). The session turns these into iterations without
+eBPF, a phase breakdown, the job's own iteration number and hang reports
+(perfmon.parsers.stack_analysis).
+
+How: ``py-spy record --format chrometrace`` writes its timestamped events only
+when it exits, so the sampler runs consecutive windows (``window_s`` each). The
+next window is started before the current one is stopped (SIGINT, on which
+py-spy writes its file) as soon as it prints that it is sampling, so windows
+overlap by about one poll and leave no hole; the overlap is dropped when merging.
+
+Clock: chrometrace ``ts`` is microseconds since an ``Instant::now()`` (Linux:
+CLOCK_MONOTONIC) py-spy takes when it creates the recorder, before attaching,
+stamped when its main thread receives each sample (src/chrometrace.rs,
+src/main.rs). We take that origin as the time just before spawning py-spy plus
+PYSPY_STARTUP_NS. Checked against a uprobe on py-spy's ``Chrometrace::increment``,
+the origin is within ~1 ms in the median and ~4 ms at worst on a busy host;
+when the CPUs are saturated at spawn, py-spy can start up to ~12 ms later
+(samples then read early by that much; docs/pyspy.md).
+
+Cost: always ``--nonblocking``, so the target is never stopped: blocking
+sampling ptrace-stops every thread each sample, which on PyTorch processes
+(~150 threads) slowed training 5-15x at 100 Hz (py-spy issue #872). py-spy
+itself uses ~4% of one core per process at 100 Hz, plus ~5 ms of CPU and
+20-60 ms of wall time to attach per window. Native stacks cannot be read
+without stopping the process, so ``dump_stacks(native=True)`` pauses it once.
+
+Needs: py-spy >= 0.4 (``pip install py-spy``), and ptrace access to the target:
+root with CAP_SYS_PTRACE (in a container, ``--cap-add SYS_PTRACE``), or the
+job's own user with /proc/sys/kernel/yama/ptrace_scope = 0. Python 3.x targets
+that py-spy supports (3.3 to 3.13 for 0.4).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+import psutil
+from perfmon.parsers.pyspy import (
+    PySpyOutputError,
+    StackSample,
+    ThreadStack,
+    parse_chrometrace,
+    parse_dump,
+)
+from perfmon.probes.errors import (
+    NoSuchProcess,
+    PrerequisiteMissing,
+    PrivilegeError,
+    ProbeError,
+    UnsuitableTarget,
+)
+from perfmon.probes.sampler import Sampler, monotonic_ns
+
+DEFAULT_RATE_HZ = 100
+DEFAULT_WINDOW_S = 1.0
+# From spawning py-spy to the Instant::now() that is its chrometrace's ts = 0:
+# exec of the static binary, Rust start-up and argument parsing. Measured with
+# a uprobe on py-spy 0.4.3's Chrometrace::increment (docs/pyspy.md): median
+# 1.0-1.8 ms on an idle or busy 2-core host, up to ~13 ms when saturated.
+PYSPY_STARTUP_NS = 1_000_000
+_DUMP_ATTEMPTS = 3
+_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+_SAMPLES_LINE = re.compile(rb"Samples: (\d+) Errors: (\d+)")
+_SAMPLING_LINE = b"Sampling process"
+# RUST_BACKTRACE=1 (set in many dev shells) makes py-spy print a backtrace
+# after every error; we only want its "Error: ..." line.
+_ENV = {**os.environ, "RUST_BACKTRACE": "0"}
+
+
+def find_pyspy() -> str:
+    """Path of the py-spy binary: the one installed next to this Python first, then PATH.
+
+    Raises PrerequisiteMissing.
+    """
+    # pip installs py-spy's binary into the same bin/ as the interpreter; a venv
+    # run without activation has that bin/ off PATH.
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    raise PrerequisiteMissing(
+        f"pid {os.getpid()} (perfmon-agent): py-spy not found next to {sys.executable} "
+        "or on PATH: pip install py-spy"
+    )
+
+
+def _ptrace_hint() -> str:
+    try:
+        with open(_PTRACE_SCOPE) as f:
+            scope = f" (now {f.read().strip()})"
+    except OSError:
+        scope = " (no Yama here)"
+    return (
+        "run as root with CAP_SYS_PTRACE (in a container: --cap-add SYS_PTRACE), or as the "
+        f"job's user with {_PTRACE_SCOPE} = 0{scope}"
+    )
+
+
+def _failure(pid: int, stderr: bytes, what: str) -> ProbeError:
+    """The error a failed py-spy run stands for, from its stderr."""
+    text = stderr.decode("utf-8", "replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    message = next((line for line in lines if line.startswith("Error:")), lines[0] if lines else "")
+    lowered = text.lower()
+    if "permission denied" in lowered or "operation not permitted" in lowered:
+        return PrivilegeError(f"pid {pid}: py-spy may not read this process: {_ptrace_hint()}")
+    if "failed to get process executable name" in lowered or "no such process" in lowered:
+        return NoSuchProcess(f"pid {pid}: no such process (py-spy {what})")
+    if "failed to find python version" in lowered or "python interpreter" in lowered:
+        return UnsuitableTarget(f"pid {pid}: py-spy finds no Python interpreter in it")
+    return ProbeError(f"pid {pid}: py-spy {what} failed: {message or 'no message'}")
+
+
+def dump_stacks(
+    pid: int, *, native: bool = False, locals_: bool = False, timeout_s: float = 10,
+    executable: str | None = None,
+) -> list[ThreadStack]:
+    """One snapshot of every Python thread of ``pid`` (``py-spy dump --json``).
+
+    Non-blocking, except with ``native``: py-spy cannot unwind native frames of
+    a running process, so it pauses the target once for the dump (seconds with
+    a large libtorch, most of it reading symbols before the pause).
+    Raises PrerequisiteMissing, PrivilegeError, NoSuchProcess, UnsuitableTarget
+    or ProbeError (including a dump that outlives ``timeout_s``).
+    """
+    args = [executable or find_pyspy(), "dump", "--pid", str(pid), "--json"]
+    args += ["--native"] if native else ["--nonblocking"]
+    args += ["--locals"] if locals_ else []
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(_DUMP_ATTEMPTS):
+        try:
+            done = subprocess.run(args, capture_output=True, check=False, env=_ENV,
+                                  timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired as err:
+            raise ProbeError(f"pid {pid}: py-spy dump did not finish in {timeout_s} s") from err
+        except OSError as err:  # missing, not executable, wrong architecture
+            raise PrerequisiteMissing(
+                f"pid {pid}: cannot run {args[0]} ({err.strerror}): pip install py-spy"
+            ) from err
+        if done.returncode == 0:
+            try:
+                return parse_dump(done.stdout)
+            except PySpyOutputError as err:
+                error: ProbeError = ProbeError(f"pid {pid}: {err}")
+        else:
+            error = _failure(pid, done.stderr, "dump")
+        # A non-blocking read races the running target ("Failed to get stack
+        # traces", ~1 in 50 on a busy host): that is worth another try; a
+        # missing process or privilege is not.
+        if type(error) is not ProbeError or attempt == _DUMP_ATTEMPTS - 1:
+            break
+    raise error
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie (whose memory py-spy can no longer read)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def _read_available(fd: int) -> bytes:
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@dataclass
+class _Window:
+    """One py-spy record process."""
+
+    proc: subprocess.Popen
+    output: str
+    origin_ns: int  # CLOCK_MONOTONIC of the chrometrace's ts = 0
+    stop_ns: int | None = None  # when we told it to stop; the next window covers from here
+    stdout: bytes = b""
+    stderr: bytes = b""
+
+    def read_pipes(self) -> None:
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.stdout += _read_available(self.proc.stdout.fileno())
+        self.stderr += _read_available(self.proc.stderr.fileno())
+
+    @property
+    def sampling(self) -> bool:
+        """py-spy has attached and prints its first line just before sampling."""
+        return _SAMPLING_LINE in self.stdout
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.stop_ns = monotonic_ns()
+            self.proc.send_signal(signal.SIGINT)  # py-spy stops and writes the file
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+@dataclass
+class _Lane:
+    """The windows of one target process, oldest first."""
+
+    pid: int
+    kernel_tids: dict[int, int]
+    current: _Window | None = None  # sampling
+    pending: _Window | None = None  # started, still attaching
+    finishing: list[_Window] = field(default_factory=list)  # stopped, not yet harvested
+    last_launch_ns: int = 0
+    covered_until_ns: int | None = None  # end of the samples delivered so far
+    ended: bool = False  # the target exited
+
+
+class PySpySampler(Sampler[StackSample]):
+    """Stack samples of one or more processes from consecutive py-spy record windows.
+
+    ``poll()`` returns the samples of the windows that finished since the last
+    call (so data arrives about ``window_s`` late) and starts the next window
+    when one is due; call it at least every ``window_s / 4`` for seamless
+    windows. Counters, all data rather than failures: ``samples_total`` and
+    ``sampling_errors_total`` (py-spy's own counts), ``lost_windows`` (no usable
+    output), ``gaps`` (a hole between consecutive windows), ``last_error``.
+    ``ended_pids``: targets that exited.
+    """
+
+    def __init__(
+        self, pids: Sequence[int], *, rate_hz: int = DEFAULT_RATE_HZ,
+        window_s: float = DEFAULT_WINDOW_S, executable: str | None = None,
+    ) -> None:
+        super().__init__()
+        if rate_hz <= 0 or window_s <= 0:
+            raise ValueError("rate_hz and window_s must be positive")
+        self.pids = list(pids)
+        self.rate_hz = rate_hz
+        self.window_ns = int(window_s * 1e9)
+        self.executable = executable
+        self.samples_total = 0
+        self.sampling_errors_total = 0
+        self.lost_windows = 0
+        self.gaps = 0
+        self.last_error: str | None = None
+        self._lanes: list[_Lane] = []
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._launched = 0
+
+    @property
+    def ended_pids(self) -> list[int]:
+        return [lane.pid for lane in self._lanes if lane.ended]
+
+    def _start(self) -> None:
+        self.executable = self.executable or find_pyspy()
+        # One dump per target: fails early with the real reason (privilege, not
+        # Python, gone), and maps py-spy's thread ids to kernel tids.
+        lanes = []
+        for pid in self.pids:
+            threads = dump_stacks(pid, executable=self.executable)
+            lanes.append(_Lane(pid, {t.pyspy_thread_id: t.tid for t in threads}))
+        self._tmp = tempfile.TemporaryDirectory(prefix="perfmon-pyspy-")
+        self._lanes = lanes
+        for lane in self._lanes:
+            lane.pending = self._launch(lane)
+
+    def _launch(self, lane: _Lane) -> _Window:
+        assert self._tmp is not None and self.executable is not None
+        self._launched += 1
+        output = os.path.join(self._tmp.name, f"{lane.pid}-{self._launched}.json")
+        # --duration only caps a window whose stop never comes (the agent hung or
+        # was killed), so an orphaned py-spy ends by itself.
+        cap_s = max(2, int(4 * self.window_ns / 1e9) + 1)
+        args = [
+            self.executable, "record", "--pid", str(lane.pid), "--format", "chrometrace",
+            "--output", output, "--rate", str(self.rate_hz), "--duration", str(cap_s),
+            "--nonblocking", "--idle", "--full-filenames",
+        ]
+        t_spawn_ns = monotonic_ns()
+        proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=_ENV,
+        )
+        for pipe in (proc.stdout, proc.stderr):
+            assert pipe is not None
+            os.set_blocking(pipe.fileno(), False)
+        lane.last_launch_ns = t_spawn_ns
+        return _Window(proc, output, t_spawn_ns + PYSPY_STARTUP_NS)
+
+    def _poll(self) -> list[StackSample]:
+        samples: list[StackSample] = []
+        now = monotonic_ns()
+        for lane in self._lanes:
+            self._advance(lane, now)
+            while lane.finishing and lane.finishing[0].proc.poll() is not None:
+                samples += self._harvest(lane, lane.finishing.pop(0))
+        samples.sort(key=lambda s: (s.t_mono_ns, s.pid, s.tid))
+        return samples
+
+    def _advance(self, lane: _Lane, now: int) -> None:
+        """Hand over from the current window to the next one once that one samples."""
+        if lane.pending is not None:
+            lane.pending.read_pipes()
+            if lane.pending.sampling:
+                if lane.current is not None:
+                    lane.current.stop()
+                    lane.finishing.append(lane.current)
+                lane.current, lane.pending = lane.pending, None
+            elif lane.pending.proc.poll() is not None:  # failed while attaching
+                lane.finishing.append(lane.pending)
+                lane.pending = None
+        if lane.current is not None and lane.current.proc.poll() is not None:
+            lane.finishing.append(lane.current)  # ended by itself: target exited, or capped
+            lane.current = None
+        due = now - lane.last_launch_ns >= self.window_ns
+        if due and lane.pending is None and not lane.ended:
+            lane.pending = self._launch(lane)
+
+    def _harvest(self, lane: _Lane, window: _Window) -> list[StackSample]:
+        window.read_pipes()
+        window.kill()  # already exited: just reaps and closes the pipes
+        counts = _SAMPLES_LINE.search(window.stdout)
+        if counts:
+            self.samples_total += int(counts.group(1))
+            self.sampling_errors_total += int(counts.group(2))
+        try:
+            with open(window.output, "rb") as f:
+                data = f.read()
+            os.unlink(window.output)
+        except FileNotFoundError:
+            error = _failure(lane.pid, window.stderr, "record")
+            if isinstance(error, NoSuchProcess) or _exited(lane.pid):
+                lane.ended = True  # the target exited: the end, not a failure
+            else:
+                self.lost_windows += 1
+                self.last_error = str(error)
+            return []
+        try:
+            samples = parse_chrometrace(
+                data, origin_mono_ns=window.origin_ns, kernel_tids=lane.kernel_tids
+            )
+        except PySpyOutputError as err:
+            self.lost_windows += 1
+            self.last_error = f"pid {lane.pid}: {err}"
+            return []
+        return self._join(lane, samples, window.stop_ns)
+
+    def _join(self, lane: _Lane, samples: list[StackSample], stop_ns: int | None
+              ) -> list[StackSample]:
+        """This window's samples from where the previous one stopped to where it was stopped.
+
+        The next window already samples when we stop this one, and this one's
+        last stack is only known up to its last sample, so the newer window
+        takes over from the moment of the stop.
+        """
+        if not samples:
+            return []
+        start = lane.covered_until_ns
+        end = max(s.t_mono_ns + s.duration_ns for s in samples)
+        if stop_ns is not None:
+            end = min(end, stop_ns)
+        # Each window's origin is estimated on its own (a few ms of error), so
+        # only a hole longer than two sampling periods counts as a gap.
+        if start is not None and samples[0].t_mono_ns > start + 2 * 10**9 // self.rate_hz:
+            self.gaps += 1
+        start = start if start is not None else samples[0].t_mono_ns
+        lane.covered_until_ns = max(lane.covered_until_ns or 0, end)
+        kept = []
+        for s in samples:
+            t0, t1 = max(s.t_mono_ns, start), min(s.t_mono_ns + s.duration_ns, end)
+            if t1 > t0:
+                kept.append(s if (t0, t1 - t0) == (s.t_mono_ns, s.duration_ns)
+                            else replace(s, t_mono_ns=t0, duration_ns=t1 - t0))
+        return kept
+
+    def _close(self) -> None:
+        for lane in self._lanes:
+            windows: Iterable[_Window | None] = (lane.current, lane.pending, *lane.finishing)
+            for window in windows:
+                if window is not None:
+                    window.kill()
+            lane.current, lane.pending, lane.finishing = None, None, []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
