@@ -232,7 +232,8 @@ class StepAggregator:
     _pending: list[tuple[dict[str, Any], int, int, int]] = field(default_factory=list)
     _recent_ends: deque = field(default_factory=lambda: deque(maxlen=1024))
     _job_reads: list[dict[str, Any]] = field(default_factory=list)
-    _job_offsets: list[int] = field(default_factory=list)
+    _job_offsets: list[int] = field(default_factory=list)  # exact reads late in a step
+    _job_early: list[int] = field(default_factory=list)  # exact reads early in a step
     _job_bounds: list[tuple[int, int]] = field(default_factory=list)
     job_iteration_variable: str | None = None
     hangs: list[dict[str, Any]] = field(default_factory=list)
@@ -389,7 +390,14 @@ class StepAggregator:
             before = self._count_at(read["t_mono_ns"])
             after = self._count_at(read["end_mono_ns"])
             if before == after:
-                self._job_offsets.append(read["value"] - before)
+                # Right after a step entry the job has not yet counted that step
+                # (it increments after the optimizer returns): a read late in the
+                # step is the one to trust.
+                since = read["t_mono_ns"] - max(
+                    (t for t in self._recent_ends if t <= read["t_mono_ns"]), default=0)
+                median = self.recent_median_step_ns()
+                late = median is None or since > median / 2
+                (self._job_offsets if late else self._job_early).append(read["value"] - before)
             else:
                 self._job_bounds.append((read["value"] - after, read["value"] - before))
         self._job_reads = unresolved
@@ -412,11 +420,13 @@ class StepAggregator:
     def job_iteration_offset(self) -> int | None:
         """Our iteration count plus this is the job's own number (None: not read).
 
-        The most frequent exact offset (a read racing the increment is off by
-        one), else the middle of the intersected bounds.
+        The most frequent exact offset of reads late in a step, else of reads
+        early in one (which can race the job's increment), else the middle of the
+        intersected bounds.
         """
-        if self._job_offsets:
-            return max(set(self._job_offsets), key=self._job_offsets.count)
+        for offsets in (self._job_offsets, self._job_early):
+            if offsets:
+                return max(set(offsets), key=offsets.count)
         if self._job_bounds:
             lo = max(b[0] for b in self._job_bounds)
             hi = min(b[1] for b in self._job_bounds)

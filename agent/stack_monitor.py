@@ -19,10 +19,10 @@ from perfmon.probes.pyspy import DEFAULT_RATE_HZ, PySpySampler, dump_stacks
 from perfmon.probes.sampler import monotonic_ns
 
 # Reads of the job's own counter: a few at the start (a read racing the
-# increment is off by one; the most frequent offset wins), then one a minute
-# to notice a resumed or restarted loop.
-JOB_ITERATION_READS = 3
-JOB_ITERATION_SPACING_NS = 1_000_000_000
+# increment is off by one; reads late in a step and the most frequent offset
+# win), then one a minute to notice a resumed or restarted loop.
+JOB_ITERATION_READS = 5
+JOB_ITERATION_SPACING_NS = 700_000_000
 JOB_ITERATION_REFRESH_NS = 60_000_000_000
 
 

@@ -155,7 +155,10 @@ def _try_summary(out_dir):
 def _all_done(summary, target) -> bool:
     info = summary["session_info"]
     truth = [t for _, t in target.timestamps() if t >= info["attach_monotonic_ns"]]
-    return len(truth) > 0 and info["total_iterations"] == len(truth)
+    # ... and every complete log interval is in (entries wait for their stack samples).
+    intervals = summary["final_statistics"]["measured_iterations"] // 7
+    return (len(truth) > 0 and info["total_iterations"] == len(truth)
+            and len(summary["iteration_logs"]) == intervals)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
