@@ -25,6 +25,11 @@ caller differences them, e.g. at iteration boundaries):
   whole buffer for all-reduce, broadcast, reduce, send and recv, but one
   rank's slice for all-gather (sendcount), reduce-scatter (recvcount),
   all-to-all, gather and scatter. See docs/cuda-nccl.md.
+- at every ``Optimizer.step`` entry (PyTorch's ``record_function``, found in
+  libtorch_cpu as :mod:`perfmon.probes.uprobes` finds it), a copy of the
+  process's counters taken in the kernel at that instant, so that the
+  differences between two steps are exactly one iteration's calls, however
+  late ``poll()`` runs.
 
 Only exact exported names are probed (``.dynsym``); aliases at one address
 (NCCL's ``pncclX`` profiling names) are probed once. Libraries are found in
@@ -42,8 +47,11 @@ cost; nothing is copied out per call and ``poll()`` is one map lookup per
 target. Measured on the project's test VM (kernel 6.18): about 10 us per trap,
 i.e. ~20 us per PyTorch launch, so 10,000 launches a second would cost ~20% of
 the launching thread there; uprobe traps are usually several times cheaper on
-bare metal (not measured here). Set-up: ~0.5 s of BPF compilation plus one
-perf event per probed function per target (up to ~50).
+bare metal (not measured here). The step snapshot adds one trap per
+``record_function`` entry in the target (a handful per step; shared with the
+iteration probe's trap at the same address when both run) and one ~250-byte
+ring buffer record per step. Set-up: ~0.5 s of BPF compilation plus one perf
+event per probed function per target (up to ~50).
 
 Needs: root, or CAP_SYS_PTRACE plus CAP_BPF + CAP_PERFMON (Linux >= 5.8) or
 CAP_SYS_ADMIN; bcc's Python module and kernel headers, as
@@ -65,10 +73,22 @@ from typing import Any
 
 from perfmon.parsers import procfs
 from perfmon.parsers.elf_symbols import find_function_symbols
-from perfmon.probes.errors import NoSuchProcess, PrerequisiteMissing, PrivilegeError
+from perfmon.probes.errors import (
+    NoSuchProcess,
+    PrerequisiteMissing,
+    PrivilegeError,
+    SymbolNotFound,
+)
 from perfmon.probes.procfs import TargetProcess
 from perfmon.probes.sampler import Sampler, monotonic_ns
-from perfmon.probes.uprobes import check_ebpf_prerequisites, close_bpf, kernel_headers_dir
+from perfmon.probes.uprobes import (
+    check_ebpf_prerequisites,
+    close_bpf,
+    fill_step_prefixes,
+    find_torch_symbols,
+    kernel_headers_dir,
+    step_name_cflags,
+)
 
 # Collectives: the key used in CudaCounters.nccl_calls/nccl_bytes (and in the
 # names of the BPF program, on_nccl_<key>, and counters) -> its NCCL entry point.
@@ -191,13 +211,16 @@ _COUNTERS = (
 _MAX_TEXT_RANGES = 4
 _NCCL_DTYPES = 16
 _MAX_SYNC_THREADS = 16384
+_STEP_EVENT_PAGES = 64  # 256 KiB: ~1,000 step snapshots between two polls
 
 
 @dataclass(frozen=True)
 class CudaCounters:
     """Cumulative counts for one process since the probes were attached.
 
-    ``t_mono_ns`` (CLOCK_MONOTONIC) is taken just before the kernel map is read.
+    ``t_mono_ns`` is CLOCK_MONOTONIC: for a periodic snapshot, taken just
+    before the kernel map is read; for an ``at_step`` one, the kernel's time at
+    the entry of ``Optimizer.step``, when the kernel copied the counters.
     """
 
     t_mono_ns: int
@@ -213,6 +236,7 @@ class CudaCounters:
     sync_calls: int = 0  # blocking calls that have returned (outermost only)
     sync_untracked: int = 0  # blocking calls not timed (return unseen, or table full)
     nccl_unknown_dtype_calls: int = 0  # calls with a datatype not in NCCL_DTYPE_BYTES
+    at_step: bool = False  # taken in the kernel at an Optimizer.step entry, not by poll()
 
 
 @dataclass
@@ -295,6 +319,27 @@ def _exact_symbols(host_path: str, names: Iterable[str]) -> dict[str, int]:
     return by_name
 
 
+def _counters(t_mono_ns: int, pid: int, raw: Iterable[int], at_step: bool) -> CudaCounters:
+    """CudaCounters from the kernel's counter array (numbered as _COUNTERS)."""
+    c = dict(zip(_COUNTERS, (int(v) for v in raw), strict=True))
+    return CudaCounters(
+        t_mono_ns=t_mono_ns,
+        pid=pid,
+        kernel_launches=c["runtime_launches"] + c["driver_launches"],
+        sync_wait_ns=c["sync_wait_ns"],
+        nccl_calls={k: c[f"nccl_calls_{k}"] for k in NCCL_COLLECTIVES},
+        nccl_bytes={k: c[f"nccl_bytes_{k}"] for k in NCCL_COLLECTIVES},
+        runtime_launches=c["runtime_launches"],
+        driver_launches=c["driver_launches"],
+        forwarded_launches=c["forwarded_launches"],
+        graph_launches=c["graph_launches"],
+        sync_calls=c["sync_calls"],
+        sync_untracked=c["sync_untracked"],
+        nccl_unknown_dtype_calls=c["nccl_unknown_dtype_calls"],
+        at_step=at_step,
+    )
+
+
 class CudaActivityProbe(Sampler[CudaCounters]):
     """In-kernel counters of CUDA launches, blocking waits and NCCL calls of some processes.
 
@@ -302,10 +347,14 @@ class CudaActivityProbe(Sampler[CudaCounters]):
     ``reason`` when not), ``attached`` maps each probed library path (as the
     targets see it) to the functions probed in it, and ``warnings`` lists what
     is not measured and why (a library not loaded, a function not exported).
-    ``poll()`` returns one :class:`CudaCounters` per probed target without
-    blocking. Raises PrerequisiteMissing or PrivilegeError from ``start()`` when
-    libraries are loaded but eBPF cannot be used, NoSuchProcess when a target
-    has exited.
+    ``poll()`` returns, without blocking and in time order, one
+    :class:`CudaCounters` per probed target read now, plus one ``at_step``
+    snapshot per ``Optimizer.step`` entered since the last call (for targets
+    whose libtorch_cpu exports ``record_function_enter_new``; its path and
+    symbol are then in ``attached``). ``dropped`` counts step snapshots lost to
+    a full ring buffer. Raises PrerequisiteMissing or PrivilegeError from
+    ``start()`` when libraries are loaded but eBPF cannot be used,
+    NoSuchProcess when a target has exited.
     """
 
     def __init__(self, targets: list[TargetProcess]) -> None:
@@ -315,8 +364,10 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         self.reason: str | None = None
         self.attached: dict[str, list[str]] = {}
         self.warnings: list[str] = []
+        self.dropped = 0
         self._bpf: Any = None
         self._pids: list[int] = []
+        self._pending_steps: list[CudaCounters] = []
 
     def _start(self) -> None:
         loaded = [_find_libraries(t) for t in self.targets]
@@ -345,20 +396,54 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                 "the loaded CUDA/NCCL libraries export none of the probed functions: "
                 + "; ".join(self.warnings))
             return
+        steps = {f.target.pid: self._step_symbols(f.target) for f in probed}
         self._compile()
         try:
             self._fill_tables(probed)
             failures = [err for f in probed for err in self._attach(f.target, plans[f.target.pid])]
+            if not self.attached:
+                raise PrerequisiteMissing(
+                    f"pid {os.getpid()} (perfmon-agent): no CUDA/NCCL uprobe could be attached: "
+                    + "; ".join(failures))
+            self._pids = [f.target.pid for f in probed if plans[f.target.pid]]
+            for found in probed:
+                if plans[found.target.pid]:
+                    self._attach_steps(found.target, steps[found.target.pid])
+            self._bpf[b"step_events"].open_ring_buffer(self._on_step)
         except Exception:
             self._close()
             raise
-        if not self.attached:
-            self._close()
-            raise PrerequisiteMissing(
-                f"pid {os.getpid()} (perfmon-agent): no CUDA/NCCL uprobe could be attached: "
-                + "; ".join(failures))
-        self._pids = [f.target.pid for f in probed if plans[f.target.pid]]
         self.available = True
+
+    def _step_symbols(self, target: TargetProcess) -> list[str]:
+        """The record_function entry points of a target's libtorch_cpu ([] with a warning)."""
+        if not target.torch_library:
+            self.warnings.append(
+                f"pid {target.pid} ({target.name}): libtorch_cpu is not loaded: "
+                "no counter snapshots at Optimizer.step")
+            return []
+        try:
+            record, _engine = find_torch_symbols(target)
+        except SymbolNotFound as err:
+            self.warnings.append(f"{err}: no counter snapshots at Optimizer.step")
+            return []
+        return record
+
+    def _attach_steps(self, target: TargetProcess, symbols: list[str]) -> None:
+        """Snapshot a target's counters at each Optimizer.step entry (warns when it cannot)."""
+        for sym in symbols:
+            try:
+                self._bpf.attach_uprobe(
+                    name=target.torch_library_host_path.encode(), sym=sym.encode(),
+                    fn_name=b"on_record_function_enter", pid=target.pid)
+            except Exception as err:  # bcc raises bare Exception on attach failure
+                self.warnings.append(
+                    f"pid {target.pid} ({target.name}): cannot attach uprobe to {sym} in "
+                    f"{target.torch_library}: {err}: no counter snapshots at Optimizer.step")
+                continue
+            names = self.attached.setdefault(target.torch_library, [])
+            if sym not in names:
+                names.append(sym)
 
     def _plan(self, found: _TargetLibraries) -> list[tuple[str, str, str, str]]:
         """(path as the target sees it, symbol, BPF program, kind) to attach for one target."""
@@ -398,6 +483,8 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             f"-DMAX_TARGETS={max(1, len(self.targets))}",
             f"-DMAX_SYNC_THREADS={_MAX_SYNC_THREADS}",
             f"-DNCCL_DTYPES={_NCCL_DTYPES}",
+            f"-DSTEP_EVENT_PAGES={_STEP_EVENT_PAGES}",
+            *step_name_cflags(),
         ]
         try:
             self._bpf = BPF(text=source, cflags=cflags)
@@ -406,12 +493,13 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                 f"pid {os.getpid()} (perfmon-agent): BPF program cuda.bpf.c failed to compile "
                 f"(kernel headers at {kernel_headers_dir()}): {err}"
             ) from err
+        fill_step_prefixes(self._bpf)
 
     def _fill_tables(self, probed: list[_TargetLibraries]) -> None:
-        sizes = self._bpf["nccl_dtype_bytes"]
+        sizes = self._bpf[b"nccl_dtype_bytes"]
         for dtype, size in NCCL_DTYPE_BYTES.items():
             sizes[ctypes.c_int(dtype)] = ctypes.c_uint(size)
-        pids = self._bpf["pids"]
+        pids = self._bpf[b"pids"]
         for found in probed:
             t = found.target
             state = pids.Leaf()  # zeroed counters
@@ -456,7 +544,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
     def _poll(self) -> list[CudaCounters]:
         if self._bpf is None:
             return []
-        table = self._bpf["pids"]
+        table = self._bpf[b"pids"]
         snapshots = []
         for pid in self._pids:
             t = monotonic_ns()
@@ -464,23 +552,19 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                 state = table[ctypes.c_uint(pid)]
             except KeyError:  # only if the entry was removed: never by this module
                 continue
-            c = dict(zip(_COUNTERS, (int(v) for v in state.counter), strict=True))
-            snapshots.append(CudaCounters(
-                t_mono_ns=t,
-                pid=pid,
-                kernel_launches=c["runtime_launches"] + c["driver_launches"],
-                sync_wait_ns=c["sync_wait_ns"],
-                nccl_calls={k: c[f"nccl_calls_{k}"] for k in NCCL_COLLECTIVES},
-                nccl_bytes={k: c[f"nccl_bytes_{k}"] for k in NCCL_COLLECTIVES},
-                runtime_launches=c["runtime_launches"],
-                driver_launches=c["driver_launches"],
-                forwarded_launches=c["forwarded_launches"],
-                graph_launches=c["graph_launches"],
-                sync_calls=c["sync_calls"],
-                sync_untracked=c["sync_untracked"],
-                nccl_unknown_dtype_calls=c["nccl_unknown_dtype_calls"],
-            ))
-        return snapshots
+            snapshots.append(_counters(t, pid, state.counter, at_step=False))
+        # After the map read: every step entered before it is delivered now, so
+        # records come in time order across polls too (to within the few
+        # microseconds between a step program's start and its submit).
+        self._bpf.ring_buffer_consume()
+        self.dropped = int(self._bpf[b"step_events_dropped"][ctypes.c_int(0)].value)
+        snapshots += self._pending_steps
+        self._pending_steps = []
+        return sorted(snapshots, key=lambda c: c.t_mono_ns)
+
+    def _on_step(self, _ctx: Any, data: Any, _size: int) -> None:
+        ev = self._bpf[b"step_events"].event(data)
+        self._pending_steps.append(_counters(ev.t_mono_ns, ev.tgid, ev.counter, at_step=True))
 
     def _close(self) -> None:
         if self._bpf is None:

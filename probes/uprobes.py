@@ -58,6 +58,7 @@ STEP_NAME_PREFIXES = {
 _NAME_LEN = 64
 _PREFIX_WORDS = 3
 _MAX_PREFIXES = 4
+_BPF_DIR = "bpf"  # in this package: the *.bpf.c programs and step_names.bpf.h
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,12 @@ def check_ebpf_prerequisites() -> None:
         )
 
 
-def _find_symbols(target: TargetProcess) -> tuple[list[str], list[str]]:
+def find_torch_symbols(target: TargetProcess) -> tuple[list[str], list[str]]:
+    """(record_function entry symbols, Engine::execute symbols) in the target's libtorch_cpu.
+
+    Raises SymbolNotFound when the library cannot be read or has no
+    record_function entry point; Engine::execute may be absent ([]).
+    """
     path = target.torch_library_host_path
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as buf:
@@ -133,6 +139,40 @@ def _find_symbols(target: TargetProcess) -> tuple[list[str], list[str]]:
             "(a PyTorch older than 1.8, or a build with hidden symbols)"
         )
     return [s.name for s in record], [s.name for s in found[ENGINE_EXECUTE_SYMBOL]]
+
+
+def step_name_cflags() -> list[str]:
+    """cflags for a BPF program that includes step_names.bpf.h (bcc ``BPF(cflags=...)``).
+
+    Puts the header's folder on the include path, so the package must be
+    installed as files (bcc's compiler reads the header from disk).
+    """
+    bpf_dir = resources.files("perfmon.probes").joinpath(_BPF_DIR)
+    return [
+        f"-I{bpf_dir}",
+        f"-DPREFIX_WORDS={_PREFIX_WORDS}",
+        f"-DMAX_PREFIXES={_MAX_PREFIXES}",
+        f"-DSTEP_KIND_OPTIMIZER_STEP={MARKER_KINDS.index('optimizer_step') + 1}",
+    ]
+
+
+def fill_step_prefixes(bpf: Any) -> None:
+    """Fill the ``prefixes`` table of step_names.bpf.h from STEP_NAME_PREFIXES.
+
+    ``bpf`` is a compiled bcc ``BPF`` object. Kinds number MARKER_KINDS from 1.
+    """
+    table = bpf[b"prefixes"]
+    leaf = table.Leaf()  # zeroed: unused slots have kind 0
+    for index, (prefix, kind) in enumerate(STEP_NAME_PREFIXES.items()):
+        raw = prefix.encode().ljust(_PREFIX_WORDS * 8, b"\0")
+        entry = leaf.entry[index]
+        for w in range(_PREFIX_WORDS):
+            chunk = raw[w * 8 : w * 8 + 8]
+            significant = max(0, min(8, len(prefix) - w * 8))
+            entry.word[w] = int.from_bytes(chunk, "little")
+            entry.mask[w] = (1 << (8 * significant)) - 1
+        entry.kind = MARKER_KINDS.index(kind) + 1
+    table[ctypes.c_int(0)] = leaf
 
 
 class MarkerProbe(Sampler[MarkerEvent]):
@@ -156,13 +196,9 @@ class MarkerProbe(Sampler[MarkerEvent]):
         check_ebpf_prerequisites()
         from bcc import BPF
 
-        symbols = {t.pid: _find_symbols(t) for t in self.targets}
+        symbols = {t.pid: find_torch_symbols(t) for t in self.targets}
         source = resources.files("perfmon.probes").joinpath("bpf/iterations.bpf.c").read_bytes()
-        cflags = [
-            f"-DNAME_LEN={_NAME_LEN}",
-            f"-DPREFIX_WORDS={_PREFIX_WORDS}",
-            f"-DMAX_PREFIXES={_MAX_PREFIXES}",
-        ]
+        cflags = [f"-DNAME_LEN={_NAME_LEN}", *step_name_cflags()]
         try:
             self._bpf = BPF(text=source, cflags=cflags)
         except Exception as err:  # bcc raises bare Exception on compile failure
@@ -170,14 +206,14 @@ class MarkerProbe(Sampler[MarkerEvent]):
                 f"pid {os.getpid()} (perfmon-agent): BPF program failed to compile "
                 f"(kernel headers at {kernel_headers_dir()}): {err}"
             ) from err
-        self._fill_prefix_table()
+        fill_step_prefixes(self._bpf)
         try:
             for target in self.targets:
                 self._attach(target, *symbols[target.pid])
         except Exception:
             self._close()
             raise
-        self._bpf["events"].open_ring_buffer(self._on_event)
+        self._bpf[b"events"].open_ring_buffer(self._on_event)
 
     def _attach(self, target: TargetProcess, record: list[str], engine: list[str]) -> None:
         lib = target.torch_library_host_path.encode()
@@ -205,21 +241,8 @@ class MarkerProbe(Sampler[MarkerEvent]):
                 "torch::autograd::Engine::execute: micro-batches per step are not counted"
             )
 
-    def _fill_prefix_table(self) -> None:
-        table = self._bpf["prefixes"]
-        for index, (prefix, kind) in enumerate(STEP_NAME_PREFIXES.items()):
-            raw = prefix.encode().ljust(_PREFIX_WORDS * 8, b"\0")
-            entry = table.Leaf()
-            for w in range(_PREFIX_WORDS):
-                chunk = raw[w * 8 : w * 8 + 8]
-                significant = max(0, min(8, len(prefix) - w * 8))
-                entry.word[w] = int.from_bytes(chunk, "little")
-                entry.mask[w] = (1 << (8 * significant)) - 1
-            entry.kind = MARKER_KINDS.index(kind) + 1
-            table[ctypes.c_int(index)] = entry
-
     def _on_event(self, _ctx: Any, data: Any, _size: int) -> None:
-        ev = self._bpf["events"].event(data)
+        ev = self._bpf[b"events"].event(data)
         self._pending.append(
             MarkerEvent(
                 t_mono_ns=ev.t_mono_ns,
@@ -232,7 +255,7 @@ class MarkerProbe(Sampler[MarkerEvent]):
 
     def _poll(self) -> list[MarkerEvent]:
         self._bpf.ring_buffer_consume()
-        dropped = self._bpf["dropped"][ctypes.c_int(0)].value
+        dropped = self._bpf[b"dropped"][ctypes.c_int(0)].value
         self.dropped = int(dropped)
         events, self._pending = self._pending, []
         return events

@@ -6,12 +6,15 @@ to the driver, _ptsz entry points call the legacy ones, cudaDeviceSynchronize
 waits inside cudaStreamSynchronize, NCCL launches its kernels through the
 driver and exports each ncclX with a pncclX alias. The target writes its own
 CLOCK_MONOTONIC stamp before each optimizer.step(); the counters read between
-two stamps must differ by exactly one iteration's scripted calls.
+two stamps must differ by exactly one iteration's scripted calls, and so must
+the snapshots the kernel takes at each Optimizer.step entry, with no quiet
+gaps around the steps.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import statistics
 import time
 from dataclasses import astuple, dataclass
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 from perfmon.probes.cuda import NCCL_COLLECTIVES, CudaActivityProbe, CudaCounters
 from perfmon.probes.procfs import inspect_process
+from perfmon.probes.uprobes import RECORD_FUNCTION_SYMBOLS
 
 from tests.fakes.build_cuda import FakeCudaLibraries, build_fake_cuda
 
@@ -118,15 +122,20 @@ class Snapshot:
         return astuple(self.counters)[2:]  # everything but t_mono_ns and pid
 
 
-def poll_for(probe: CudaActivityProbe, seconds: float) -> list[Snapshot]:
-    snapshots = []
+def poll_for(probe: CudaActivityProbe, seconds: float,
+             interval_s: float = 0.002) -> tuple[list[Snapshot], list[CudaCounters]]:
+    """The periodic snapshots (one per poll), and the at_step ones, in time order."""
+    snapshots, at_step = [], []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         before = time.monotonic_ns()
-        (counters,) = probe.poll()
-        snapshots.append(Snapshot(before, time.monotonic_ns(), counters))
-        time.sleep(0.002)
-    return snapshots
+        records = probe.poll()
+        after = time.monotonic_ns()
+        (counters,) = [r for r in records if not r.at_step]
+        snapshots.append(Snapshot(before, after, counters))
+        at_step += [r for r in records if r.at_step]
+        time.sleep(interval_s)
+    return snapshots, at_step
 
 
 def counters_at(snapshots: list[Snapshot], t_ns: int) -> CudaCounters | None:
@@ -149,30 +158,9 @@ def per_iteration_deltas(snapshots: list[Snapshot], stamps: list[tuple[int, int]
     return [(at[n], at[n + 1]) for n, _ in stamps if at.get(n) and at.get(n + 1)]
 
 
-@pytest.mark.usefixtures("ebpf")
-def test_counter_deltas_between_the_targets_step_stamps_equal_its_scripted_calls(
-    start_target, fake_cuda
-):
-    target = start_target(*script_args(fake_cuda, SCRIPT, NCCL_SCRIPT), script=TRAIN_FAKE_CUDA)
-    want = expected_per_iteration(SCRIPT, NCCL_SCRIPT)
-    with CudaActivityProbe([inspect_process(target.pid)]) as probe:
-        assert probe.available, probe.reason
-        assert probe.warnings == []
-        attached = {Path(path).name: names for path, names in probe.attached.items()}
-        assert set(attached["libcudart.so.12"]) == {
-            "cudaLaunchKernel", "cudaLaunchKernel_ptsz", "cudaLaunchKernelExC",
-            "cudaGraphLaunch", "cudaStreamSynchronize", "cudaDeviceSynchronize",
-            "cudaEventSynchronize", "cudaMemcpy"}
-        assert set(attached["libcuda.so.1"]) == {
-            "cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuGraphLaunch"}
-        # Each ncclX once, never its pncclX alias at the same address.
-        assert sorted(attached["libnccl.so.2"]) == sorted(
-            [*NCCL_COLLECTIVES.values(), "ncclAllReduceConfig"])
-        snapshots = poll_for(probe, seconds=3.0)
-    assert probe.poll() == []  # closed
-
-    pairs = per_iteration_deltas(snapshots, target.timestamps())
-    assert len(pairs) >= 20, f"only {len(pairs)} iterations had quiet polls around both stamps"
+def assert_each_is_one_iteration(pairs: list[tuple[CudaCounters, CudaCounters]],
+                                 want: Expected) -> None:
+    """Every pair differs by exactly one iteration's calls; waits within timer slack."""
     waits_ns = []
     for a, b in pairs:
         assert b.kernel_launches - a.kernel_launches == want.kernel_launches
@@ -194,6 +182,64 @@ def test_counter_deltas_between_the_targets_step_stamps_equal_its_scripted_calls
 
 
 @pytest.mark.usefixtures("ebpf")
+def test_counter_deltas_between_the_targets_step_stamps_equal_its_scripted_calls(
+    start_target, fake_cuda
+):
+    target = start_target(*script_args(fake_cuda, SCRIPT, NCCL_SCRIPT), script=TRAIN_FAKE_CUDA)
+    want = expected_per_iteration(SCRIPT, NCCL_SCRIPT)
+    with CudaActivityProbe([inspect_process(target.pid)]) as probe:
+        assert probe.available, probe.reason
+        assert probe.warnings == []
+        attached = {Path(path).name: names for path, names in probe.attached.items()}
+        assert set(attached["libcudart.so.12"]) == {
+            "cudaLaunchKernel", "cudaLaunchKernel_ptsz", "cudaLaunchKernelExC",
+            "cudaGraphLaunch", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+            "cudaEventSynchronize", "cudaMemcpy"}
+        assert set(attached["libcuda.so.1"]) == {
+            "cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuGraphLaunch"}
+        # Each ncclX once, never its pncclX alias at the same address.
+        assert sorted(attached["libnccl.so.2"]) == sorted(
+            [*NCCL_COLLECTIVES.values(), "ncclAllReduceConfig"])
+        snapshots, _ = poll_for(probe, seconds=3.0)
+    assert probe.poll() == []  # closed
+
+    pairs = per_iteration_deltas(snapshots, target.timestamps())
+    assert len(pairs) >= 20, f"only {len(pairs)} iterations had quiet polls around both stamps"
+    assert_each_is_one_iteration(pairs, want)
+
+
+@pytest.mark.usefixtures("ebpf")
+def test_snapshots_taken_in_the_kernel_at_each_optimizer_step_differ_by_exactly_one_iteration(
+    start_target, fake_cuda
+):
+    # No idle time around the steps: CUDA calls run right up to the stamp and
+    # resume right after the step, so only an in-kernel snapshot can split them.
+    target = start_target("--idle-ms", "0", *script_args(fake_cuda, SCRIPT, NCCL_SCRIPT),
+                          script=TRAIN_FAKE_CUDA)
+    want = expected_per_iteration(SCRIPT, NCCL_SCRIPT)
+    process = inspect_process(target.pid)
+    with CudaActivityProbe([process]) as probe:
+        assert probe.warnings == []
+        # Optimizer.step found as the iteration probe finds it, in libtorch_cpu.
+        (symbol,) = probe.attached[process.torch_library]
+        assert symbol.startswith(RECORD_FUNCTION_SYMBOLS[0])
+        _, steps = poll_for(probe, seconds=2.0, interval_s=0.1)  # the agent's cadence
+        assert probe.dropped == 0
+
+    assert len(steps) >= 50
+    assert all(s.at_step and s.pid == target.pid for s in steps)
+    # One snapshot per iteration, each just after the target's own stamp.
+    stamps = target.timestamps()
+    stamp_times = [t for _, t in stamps]
+    matched = [stamps[bisect.bisect_right(stamp_times, s.t_mono_ns) - 1] for s in steps]
+    lags_ns = [s.t_mono_ns - t for s, (_, t) in zip(steps, matched, strict=True)]
+    assert all(0 <= lag < 2_000_000 for lag in lags_ns), max(lags_ns)
+    iterations = [n for n, _ in matched]
+    assert iterations == list(range(iterations[0], iterations[0] + len(steps)))
+    assert_each_is_one_iteration(list(itertools.pairwise(steps)), want)
+
+
+@pytest.mark.usefixtures("ebpf")
 def test_a_job_without_nccl_is_probed_for_cuda_and_says_nccl_is_not_counted(
     start_target, fake_cuda
 ):
@@ -205,9 +251,9 @@ def test_a_job_without_nccl_is_probed_for_cuda_and_says_nccl_is_not_counted(
         assert not any("libnccl" in path for path in probe.attached)
         (warning,) = probe.warnings
         assert f"pid {target.pid}" in warning and "libnccl.so* is not loaded" in warning
-        first = probe.poll()[0]
+        (first,) = [c for c in probe.poll() if not c.at_step]
         target.wait_for_iterations(len(target.timestamps()) + 3)
-        last = probe.poll()[0]
+        (last,) = [c for c in probe.poll() if not c.at_step]
     assert last.kernel_launches - first.kernel_launches >= 2 * (
         expected_per_iteration(script, []).kernel_launches)
     assert set(last.nccl_calls) == set(NCCL_COLLECTIVES)

@@ -4,6 +4,10 @@
 // of u64 counters (hash `pids`, keyed by tgid, one entry per target created by
 // user space before any probe is attached), and user space reads the whole
 // array when it polls. A call from a process without an entry is ignored.
+// The one exception is an iteration boundary: at the entry of each
+// Optimizer.step (PyTorch's record_function, as in iterations.bpf.c) the
+// process's whole array is copied, with the time, into the ring buffer
+// `step_events`, so per-iteration differences are exact whatever the polling.
 //
 // Counters:
 // - kernel and graph launches, at the entry of libcudart/libcuda launch entry
@@ -23,9 +27,12 @@
 //
 // Settings arrive as -D cflags from probes/cuda.py, which owns the counter
 // numbering: N_COUNTERS, one CTR_<NAME> per counter, MAX_TEXT_RANGES,
-// MAX_TARGETS, MAX_SYNC_THREADS, NCCL_DTYPES.
+// MAX_TARGETS, MAX_SYNC_THREADS, NCCL_DTYPES, STEP_EVENT_PAGES; and those of
+// step_names.bpf.h.
 
 #include <uapi/linux/ptrace.h>
+
+#include "step_names.bpf.h"
 
 #ifndef N_COUNTERS
 #error "N_COUNTERS and the CTR_* ids come from probes/cuda.py as -D cflags"
@@ -41,6 +48,9 @@
 #endif
 #ifndef NCCL_DTYPES
 #define NCCL_DTYPES 16
+#endif
+#ifndef STEP_EVENT_PAGES
+#define STEP_EVENT_PAGES 64
 #endif
 
 struct pid_state_t {
@@ -209,3 +219,43 @@ NCCL_PROBE(gather, GATHER, 3, 4)
 NCCL_PROBE(scatter, SCATTER, 3, 4)
 // The nccl*Config twins (NCCL 2.32) take the same arguments plus a trailing
 // config pointer, so the same programs serve them.
+
+// A snapshot of one process's counters at the entry of Optimizer.step, taken
+// on the thread that calls it. Every call that thread made before the step is
+// in it, and none it makes after. Counters of other threads are read word by
+// word as they stand at that instant (each 8-byte load is atomic).
+struct step_event_t {
+    u64 t_mono_ns;  // bpf_ktime_get_ns (CLOCK_MONOTONIC) at the probe's first instruction
+    u32 tgid;
+    u32 _pad;
+    u64 counter[N_COUNTERS];
+};
+BPF_RINGBUF_OUTPUT(step_events, STEP_EVENT_PAGES);
+BPF_ARRAY(step_events_dropped, u64, 1);  // ring buffer full: counted, reported by user space
+
+int on_record_function_enter(struct pt_regs *ctx)
+{
+    u64 t = bpf_ktime_get_ns();  // first, as iterations.bpf.c does: the same instant
+    struct pid_state_t *st = this_process();
+    if (!st)
+        return 0;
+    u64 head[PREFIX_WORDS] = {};
+    if (!read_step_name_head(ctx, head))
+        return 0;
+    int zero = 0;
+    if (classify(prefixes.lookup(&zero), head) != STEP_KIND_OPTIMIZER_STEP)
+        return 0;
+    struct step_event_t *ev = step_events.ringbuf_reserve(sizeof(struct step_event_t));
+    if (!ev) {
+        u64 *n = step_events_dropped.lookup(&zero);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+        return 0;
+    }
+    ev->t_mono_ns = t;
+    ev->tgid = bpf_get_current_pid_tgid() >> 32;
+    ev->_pad = 0;
+    __builtin_memcpy(ev->counter, st->counter, sizeof(ev->counter));
+    step_events.ringbuf_submit(ev, 0);
+    return 0;
+}

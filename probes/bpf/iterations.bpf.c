@@ -1,27 +1,19 @@
 // Iteration boundaries inside a PyTorch process, from uprobes in libtorch_cpu.so.
 //
-// record_function_enter_new(const std::string& name, const std::optional<std::string>& args)
-// returns a class by value, so the hidden return slot takes the first argument
-// register and the name's std::string* is the SECOND argument. libstdc++ keeps
-// the std::string's char* at offset 0.
-//
 // Only the few record_function names that mark a training step leave the
-// kernel; every other record_function call returns after one short compare.
-// Engine::execute (one call per backward()) is counted at entry and exit.
+// kernel; every other record_function call returns after one short compare
+// (step_names.bpf.h reads and classifies the name). Engine::execute (one call
+// per backward()) is counted at entry and exit.
 //
-// Settings arrive as -D cflags: NAME_LEN (bytes of the name copied out),
-// PREFIX_WORDS and MAX_PREFIXES (size of the prefix table).
+// Settings arrive as -D cflags: NAME_LEN (bytes of the name copied out), and
+// those of step_names.bpf.h.
 
 #include <uapi/linux/ptrace.h>
 
+#include "step_names.bpf.h"
+
 #ifndef NAME_LEN
 #define NAME_LEN 64
-#endif
-#ifndef PREFIX_WORDS
-#define PREFIX_WORDS 3
-#endif
-#ifndef MAX_PREFIXES
-#define MAX_PREFIXES 4
 #endif
 
 enum event_kind {
@@ -44,37 +36,6 @@ struct event_t {
 BPF_RINGBUF_OUTPUT(events, 64);          // 64 pages
 BPF_ARRAY(dropped, u64, 1);              // ring buffer full: counted, reported by user space
 BPF_PERCPU_ARRAY(scratch, struct event_t, 1);
-
-// Name prefixes that mark a step, filled by user space: each is up to
-// PREFIX_WORDS little-endian 8-byte words with a mask for the last partial
-// word. (String literals would land in .rodata, which this bcc cannot load.)
-struct prefix_t {
-    u64 word[PREFIX_WORDS];
-    u64 mask[PREFIX_WORDS];
-    u32 kind;
-    u32 _pad;
-};
-BPF_ARRAY(prefixes, struct prefix_t, MAX_PREFIXES);
-
-static __always_inline u32 classify(const u64 *head)
-{
-#pragma unroll
-    for (int i = 0; i < MAX_PREFIXES; i++) {
-        int idx = i;
-        struct prefix_t *p = prefixes.lookup(&idx);
-        if (!p || !p->kind)
-            continue;
-        int match = 1;
-#pragma unroll
-        for (int w = 0; w < PREFIX_WORDS; w++) {
-            if ((head[w] & p->mask[w]) != p->word[w])
-                match = 0;
-        }
-        if (match)
-            return p->kind;
-    }
-    return 0;
-}
 
 static __always_inline void emit(struct event_t *ev)
 {
@@ -104,17 +65,12 @@ static __always_inline struct event_t *fresh_event(u32 kind)
 int on_record_function_enter(struct pt_regs *ctx)
 {
     u64 t = bpf_ktime_get_ns();
-    const void *str = (const void *)PT_REGS_PARM2(ctx);
-    const char *data = 0;
-    if (bpf_probe_read_user(&data, sizeof(data), str) != 0)
-        return 0;
     u64 head[PREFIX_WORDS] = {};
-    if (bpf_probe_read_user(&head, sizeof(head), data) != 0) {
-        // A name shorter than the head can end right at a page edge; retry as a string.
-        if (bpf_probe_read_user_str(&head, sizeof(head), data) <= 0)
-            return 0;
-    }
-    u32 kind = classify(head);
+    const char *data = read_step_name_head(ctx, head);
+    if (!data)
+        return 0;
+    int zero = 0;
+    u32 kind = classify(prefixes.lookup(&zero), head);
     if (!kind)
         return 0;
     struct event_t *ev = fresh_event(kind);
