@@ -25,7 +25,7 @@ from perfmon.probes.cuda import NCCL_COLLECTIVES, CudaActivityProbe, CudaCounter
 from perfmon.probes.procfs import inspect_process
 from perfmon.probes.uprobes import RECORD_FUNCTION_SYMBOLS
 
-from tests.fakes.build_cuda import FakeCudaLibraries, build_fake_cuda
+from tests.fakes.build_cuda import FakeCudaLibraries
 
 TRAIN_FAKE_CUDA = Path(__file__).parent / "targets" / "train_fake_cuda.py"
 DTYPE_BYTES = {"int8": 1, "uint8": 1, "int32": 4, "float16": 2, "bfloat16": 2, "float32": 4,
@@ -105,11 +105,6 @@ def script_args(libs: FakeCudaLibraries, script: dict[str, int],
     for op, count, dtype in nccl:
         args += ["--nccl", f"{op}:{count}:{dtype}"]
     return args
-
-
-@pytest.fixture(scope="module")
-def fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> FakeCudaLibraries:
-    return build_fake_cuda(tmp_path_factory.mktemp("fake_cuda"))
 
 
 @dataclass(frozen=True)
