@@ -68,7 +68,6 @@ import mmap
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 from perfmon.parsers import procfs
@@ -84,10 +83,8 @@ from perfmon.probes.sampler import Sampler, monotonic_ns
 from perfmon.probes.uprobes import (
     check_ebpf_prerequisites,
     close_bpf,
-    fill_step_prefixes,
+    compile_step_program,
     find_torch_symbols,
-    kernel_headers_dir,
-    step_name_cflags,
 )
 
 # Collectives: the key used in CudaCounters.nccl_calls/nccl_bytes (and in the
@@ -473,10 +470,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         return plan
 
     def _compile(self) -> None:
-        from bcc import BPF
-
-        source = resources.files("perfmon.probes").joinpath("bpf/cuda.bpf.c").read_bytes()
-        cflags = [
+        self._bpf = compile_step_program("cuda.bpf.c", [
             f"-DN_COUNTERS={len(_COUNTERS)}",
             *(f"-DCTR_{name.upper()}={i}" for i, name in enumerate(_COUNTERS)),
             f"-DMAX_TEXT_RANGES={_MAX_TEXT_RANGES}",
@@ -484,16 +478,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             f"-DMAX_SYNC_THREADS={_MAX_SYNC_THREADS}",
             f"-DNCCL_DTYPES={_NCCL_DTYPES}",
             f"-DSTEP_EVENT_PAGES={_STEP_EVENT_PAGES}",
-            *step_name_cflags(),
-        ]
-        try:
-            self._bpf = BPF(text=source, cflags=cflags)
-        except Exception as err:  # bcc raises bare Exception on compile failure
-            raise PrerequisiteMissing(
-                f"pid {os.getpid()} (perfmon-agent): BPF program cuda.bpf.c failed to compile "
-                f"(kernel headers at {kernel_headers_dir()}): {err}"
-            ) from err
-        fill_step_prefixes(self._bpf)
+        ])
 
     def _fill_tables(self, probed: list[_TargetLibraries]) -> None:
         sizes = self._bpf[b"nccl_dtype_bytes"]

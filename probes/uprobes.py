@@ -141,8 +141,28 @@ def find_torch_symbols(target: TargetProcess) -> tuple[list[str], list[str]]:
     return [s.name for s in record], [s.name for s in found[ENGINE_EXECUTE_SYMBOL]]
 
 
-def step_name_cflags() -> list[str]:
-    """cflags for a BPF program that includes step_names.bpf.h (bcc ``BPF(cflags=...)``).
+def compile_step_program(file_name: str, cflags: list[str]) -> Any:
+    """Compile ``probes/bpf/<file_name>`` (which includes step_names.bpf.h) with bcc,
+    and fill its step-name prefix table; returns the ``BPF`` object.
+
+    Raises PrerequisiteMissing when the program does not compile.
+    """
+    from bcc import BPF
+
+    source = resources.files("perfmon.probes").joinpath(f"{_BPF_DIR}/{file_name}").read_bytes()
+    try:
+        bpf = BPF(text=source, cflags=[*cflags, *_step_name_cflags()])
+    except Exception as err:  # bcc raises bare Exception on compile failure
+        raise PrerequisiteMissing(
+            f"pid {os.getpid()} (perfmon-agent): BPF program {file_name} failed to compile "
+            f"(kernel headers at {kernel_headers_dir()}): {err}"
+        ) from err
+    _fill_step_prefixes(bpf)
+    return bpf
+
+
+def _step_name_cflags() -> list[str]:
+    """cflags for a BPF program that includes step_names.bpf.h.
 
     Puts the header's folder on the include path, so the package must be
     installed as files (bcc's compiler reads the header from disk).
@@ -156,7 +176,7 @@ def step_name_cflags() -> list[str]:
     ]
 
 
-def fill_step_prefixes(bpf: Any) -> None:
+def _fill_step_prefixes(bpf: Any) -> None:
     """Fill the ``prefixes`` table of step_names.bpf.h from STEP_NAME_PREFIXES.
 
     ``bpf`` is a compiled bcc ``BPF`` object. Kinds number MARKER_KINDS from 1.
@@ -194,19 +214,8 @@ class MarkerProbe(Sampler[MarkerEvent]):
 
     def _start(self) -> None:
         check_ebpf_prerequisites()
-        from bcc import BPF
-
         symbols = {t.pid: find_torch_symbols(t) for t in self.targets}
-        source = resources.files("perfmon.probes").joinpath("bpf/iterations.bpf.c").read_bytes()
-        cflags = [f"-DNAME_LEN={_NAME_LEN}", *step_name_cflags()]
-        try:
-            self._bpf = BPF(text=source, cflags=cflags)
-        except Exception as err:  # bcc raises bare Exception on compile failure
-            raise PrerequisiteMissing(
-                f"pid {os.getpid()} (perfmon-agent): BPF program failed to compile "
-                f"(kernel headers at {kernel_headers_dir()}): {err}"
-            ) from err
-        fill_step_prefixes(self._bpf)
+        self._bpf = compile_step_program("iterations.bpf.c", [f"-DNAME_LEN={_NAME_LEN}"])
         try:
             for target in self.targets:
                 self._attach(target, *symbols[target.pid])
