@@ -205,7 +205,8 @@ class MonitorSession:
                 self._warning(f"stack sampling unavailable, phases from uprobes only: {err}")
                 stacks = None
         if probe is not None:
-            self.warnings += probe.warnings
+            for text in probe.warnings:
+                self._warning(text)
         return source, probe, stacks
 
     def run(self) -> SessionResult:
@@ -309,7 +310,8 @@ class MonitorSession:
         except PerfmonError as err:
             self._warning(f"CUDA/NCCL counters unavailable: {err}")
             return None, {"available": False, "reason": str(err)}
-        self.warnings += cuda.warnings
+        for text in cuda.warnings:
+            self._warning(text)
         if not cuda.available:
             return None, {"available": False, "reason": cuda.reason}
         return cuda, {"available": True, "attached": cuda.attached}
