@@ -82,22 +82,22 @@ int on_record_function_enter(struct pt_regs *ctx)
     return 0;
 }
 
+static __always_inline int emit_unnamed(u32 kind)
+{
+    struct event_t *ev = fresh_event(kind);
+    if (ev) {
+        ev->name[0] = 0;
+        emit(ev);
+    }
+    return 0;
+}
+
 int on_backward_enter(struct pt_regs *ctx)
 {
-    struct event_t *ev = fresh_event(EV_BACKWARD_ENTER);
-    if (!ev)
-        return 0;
-    ev->name[0] = 0;
-    emit(ev);
-    return 0;
+    return emit_unnamed(EV_BACKWARD_ENTER);
 }
 
 int on_backward_exit(struct pt_regs *ctx)
 {
-    struct event_t *ev = fresh_event(EV_BACKWARD_EXIT);
-    if (!ev)
-        return 0;
-    ev->name[0] = 0;
-    emit(ev);
-    return 0;
+    return emit_unnamed(EV_BACKWARD_EXIT);
 }
