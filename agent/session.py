@@ -39,9 +39,14 @@ UPROBE_UNAVAILABLE = (PrerequisiteMissing, PrivilegeError, SymbolNotFound)
 
 POLL_INTERVAL_S = 0.1
 LIVENESS_INTERVAL_NS = 500_000_000
-# Between log intervals the summary is still refreshed this often, so a long
-# interval (or a stalled job) does not leave the file stale.
-SUMMARY_REWRITE_NS = 5_000_000_000
+# The summary is rewritten when a log interval completes, but not more often
+# than once a second, and at least every 5 s so a long interval (or a stalled
+# job) does not leave the file stale. Both stretch to 50 x the last write's
+# duration: iteration_logs grows all run long, and rewriting (and fsyncing) it
+# must stay a small share of the agent's time on a core the job may need.
+SUMMARY_MIN_INTERVAL_NS = 1_000_000_000
+SUMMARY_REFRESH_NS = 5_000_000_000
+SUMMARY_WRITE_BUDGET = 50
 HEALTH_WINDOW_S = 5.0
 
 
@@ -262,7 +267,7 @@ class MonitorSession:
         live = _Live(probe, stacks, cuda, memory, gpu, log, aggregator)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         deadline = start_ns + int(opts.duration_s * 1e9) if opts.duration_s else None
-        next_liveness = next_rewrite = start_ns
+        next_liveness = next_write = next_refresh = start_ns
         try:
             while self._stop_reason is None:
                 time.sleep(POLL_INTERVAL_S)
@@ -270,11 +275,13 @@ class MonitorSession:
                 now = monotonic_ns()
                 if self._check_hang(live, targets, out_dir, now):
                     completed = True
-                if completed or now >= next_rewrite:
+                if (completed and now >= next_write) or now >= next_refresh:
                     # Log first, so the log always holds all that the summary counts.
                     log.flush()
                     write_json_atomic(summary_path, build_summary(facts, aggregator))
-                    next_rewrite = now + SUMMARY_REWRITE_NS
+                    spent = SUMMARY_WRITE_BUDGET * (monotonic_ns() - now)
+                    next_write = now + max(SUMMARY_MIN_INTERVAL_NS, spent)
+                    next_refresh = now + max(SUMMARY_REFRESH_NS, spent)
                 log.flush_if_due()
                 if deadline is not None and now >= deadline:
                     self._stop_reason = "duration"

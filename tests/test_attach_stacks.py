@@ -68,7 +68,9 @@ def test_pyspy_mode_mean_step_time_matches_the_targets_own_timestamps(
 ):
     # Steps long enough (AdamW ~0.1 s) that 100 Hz sampling sees every optimizer step.
     target = start_target("--hidden-size", "768", "--num-layers", "4", "--micro-batch-size", "1")
-    run = agent.run("attach", "--pid", str(target.pid), "--duration", "10",
+    # 20 s: ~60 steps, so even a step that sampling misses on this busy 2-core
+    # machine (it merges two steps) keeps the mean within 2%.
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "20",
                     "--iteration-source", "pyspy", "--log-interval", "5",
                     "--output-dir", str(out_dir))
     assert run.returncode == 0, run.stderr
@@ -82,8 +84,9 @@ def test_pyspy_mode_mean_step_time_matches_the_targets_own_timestamps(
             if r["type"] == "marker" and r["t_mono_ns"] >= info["attach_monotonic_ns"]]
     stamps = [t for _, t in target.timestamps()]
     matched = [bisect.bisect_right(stamps, t + 20_000_000) - 1 for t in ends]
-    assert stats["measured_iterations"] >= 6
-    # No step missed or found twice: consecutive boundaries, consecutive steps.
-    assert [b - a for a, b in itertools.pairwise(matched)] == [1] * (len(matched) - 1)
-    truth_ms = (stamps[matched[-1]] - stamps[matched[0]]) / (len(matched) - 1) / 1e6
+    assert stats["measured_iterations"] >= 30
+    # At most one step missed or found twice between consecutive boundaries.
+    gaps = [b - a for a, b in itertools.pairwise(matched)]
+    assert sum(abs(g - 1) for g in gaps) <= 1, gaps
+    truth_ms = (stamps[matched[-1]] - stamps[matched[0]]) / (matched[-1] - matched[0]) / 1e6
     assert stats["avg_step_time_ms"] == pytest.approx(truth_ms, rel=0.02)
