@@ -28,7 +28,7 @@ def test_finds_the_probed_functions_in_the_installed_libtorch():
     assert int(line.split()[0], 16) == engine.address
 
 
-def test_prefix_matches_whole_names_only_and_skips_undefined(tmp_path):
+def test_prefix_matches_function_symbols_only_and_skips_undefined_ones(tmp_path):
     src = tmp_path / "lib.c"
     src.write_text("int probe_me(void){return 1;}\nint probe_me_too(void){return 2;}\n"
                    "int pncclAllReduce(void){return 4;}\n"
