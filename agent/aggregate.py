@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from perfmon.agent.gpu import job_gpu_indices
 from perfmon.agent.phases import PhaseAccount
 
 # How long (in record time) an interval entry waits for stack samples covering it.
 PHASE_WAIT_NS = 5_000_000_000
+DEFAULT_MAX_LOG_ENTRIES = 2000
+GIB = 1 << 30  # memory is reported in GiB under the seed's "GB" key names, as FlagScale's does
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,13 @@ class StepAggregator:
     _cuda_sum: dict[str, Any] = field(default_factory=dict)  # deltas over finalized intervals
     _cuda_iterations: int = 0
     gpu_events: list[dict[str, Any]] = field(default_factory=list)  # xid, ecc, lost
+    gpu_attribution: str | None = None  # how the job's GPUs were found (job_gpu_indices)
+    # iteration_logs holds at most this many entries: older ones are thinned
+    # evenly (one in log_stride kept, marked kept_one_in); None: no bound.
+    max_log_entries: int | None = DEFAULT_MAX_LOG_ENTRIES
+    log_stride: int = 1
+    _log_seq: list[int] = field(default_factory=list)  # interval number of each entry
+    _intervals_logged: int = 0
 
     def feed(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one record; return the iteration_logs entries it completed."""
@@ -346,9 +356,35 @@ class StepAggregator:
             self.phases.record(per_phase, count)
             entry["phases"] = PhaseAccount.breakdown(per_phase, count)
             entry["iteration"] += self.job_iteration_offset or 0
-            self.iteration_logs.append(entry)
+            self._log_entry(entry)
             done.append(entry)
         return done
+
+    def _log_entry(self, entry: dict[str, Any]) -> None:
+        """Append to iteration_logs, thinning older entries evenly beyond max_log_entries.
+
+        The newest half stays whole; in the older part one entry in ``log_stride``
+        (by interval number) is kept, the stride doubling as the run goes on, so
+        the older part always samples the run evenly.
+        """
+        self.iteration_logs.append(entry)
+        self._log_seq.append(self._intervals_logged)
+        self._intervals_logged += 1
+        limit = self.max_log_entries
+        if limit is None or len(self.iteration_logs) <= limit:
+            return
+        recent = max(1, limit // 2)
+        while len(self.iteration_logs) > limit:
+            old = len(self.iteration_logs) - recent
+            keep = [i for i in range(old) if self._log_seq[i] % self.log_stride == 0]
+            if len(keep) == old:
+                self.log_stride *= 2
+                continue
+            keep += range(old, len(self.iteration_logs))
+            self.iteration_logs = [self.iteration_logs[i] for i in keep]
+            self._log_seq = [self._log_seq[i] for i in keep]
+        for i in range(len(self.iteration_logs) - recent):
+            self.iteration_logs[i]["kept_one_in"] = self.log_stride
 
     def _cuda_snapshot(self, t_ns: int) -> dict[str, Any] | None:
         """The counters snapshotted in the kernel at the step entry at ``t_ns``.
@@ -436,8 +472,8 @@ class StepAggregator:
     def _on_gpu(self, t_ns: int, gpus: list[dict[str, Any]]) -> None:
         """One NVML sample of every GPU: GPU memory per rank, utilization, power, throttling.
 
-        The job's GPUs are those where NVML shows one of its processes; when it
-        shows none (a container's PID namespace), every GPU counts as the job's.
+        The job's GPUs are those where NVML showed one of its processes; see
+        perfmon.agent.gpu.job_gpu_indices for when every GPU, or none, counts.
         """
         per_rank: dict[int, int] = {}
         for g in gpus:
@@ -457,8 +493,12 @@ class StepAggregator:
             self._rank_peak(pid, "gpu_memory_bytes", used)
         if per_rank:
             self._series["gpu_memory"].add(t_ns, max(per_rank.values()))
-        mine = [g for g in gpus if not g["lost"]
-                and (g["index"] in self._job_gpus or not self._job_gpus)]
+        indices, how = job_gpu_indices(gpus)
+        if self.gpu_attribution != "processes":
+            self.gpu_attribution = how
+        if self._job_gpus:
+            indices = self._job_gpus
+        mine = [g for g in gpus if not g["lost"] and g["index"] in indices]
         util = [g["utilization_gpu_pct"] for g in mine if g["utilization_gpu_pct"] is not None]
         power = [g["power_w"] for g in mine if g["power_w"] is not None]
         if util:
@@ -475,11 +515,11 @@ class StepAggregator:
         peaks[name] = max(value, peaks.get(name, 0))
 
     def _ranks(self) -> list[dict[str, Any]]:
-        """Per-rank peaks in GB, and the GPUs NVML saw each rank on."""
+        """Per-rank peaks in GiB, and the GPUs NVML saw each rank on."""
         return [
             {"pid": pid,
-             "peak_rss_gb": _scaled(peaks.get("rss_bytes"), 1e-9),
-             "peak_gpu_memory_gb": _scaled(peaks.get("gpu_memory_bytes"), 1e-9),
+             "peak_rss_gb": _scaled(peaks.get("rss_bytes"), 1 / GIB),
+             "peak_gpu_memory_gb": _scaled(peaks.get("gpu_memory_bytes"), 1 / GIB),
              "gpu_indices": self._rank_gpus.get(pid, [])}
             for pid, peaks in sorted(self._rank_peaks.items())
         ]
@@ -509,7 +549,7 @@ class StepAggregator:
             "TFLOPS_per_GPU": tflops,
             "tokens_per_sec": tokens_s,
             "samples_per_sec": samples_s,
-            "memory_GB": _scaled(memory.window_mean(start, end), 1e-9),
+            "memory_GB": _scaled(memory.window_mean(start, end), 1 / GIB),
             **self._interval_gpu(start, end),
         }
 
@@ -543,7 +583,7 @@ class StepAggregator:
         return {
             "avg_tflops_per_gpu": tflops,
             "avg_step_time_ms": _mean(steps_ms),
-            "peak_memory_gb": _scaled(self._memory_bytes_series().peak, 1e-9),
+            "peak_memory_gb": _scaled(self._memory_bytes_series().peak, 1 / GIB),
             "memory_kind": "gpu" if self._series["gpu_memory"].count else "rss",
             "avg_tokens_per_sec": tokens_s,
             "avg_samples_per_sec": samples_s,
@@ -563,6 +603,7 @@ class StepAggregator:
             "avg_gpu_power_w": self._series["gpu_power"].mean,
             "gpu_throttle_reasons": dict(self._throttle),
             "gpu_events": self.gpu_events,
+            "gpu_attribution": self.gpu_attribution,
             "ranks": self._ranks(),
             "phases": PhaseAccount.breakdown(self.phases.total_ns,
                                              self.phases.total_iterations),

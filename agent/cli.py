@@ -12,13 +12,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from perfmon.agent.aggregate import DEFAULT_MAX_LOG_ENTRIES
+from perfmon.agent.argtypes import (
+    OneLineParser,
+    pid,
+    positive_float,
+    positive_int,
+    quiet_broken_pipe,
+    regex,
+)
+from perfmon.agent.eventlog import DEFAULT_PART_BYTES
 from perfmon.agent.flops_report import FLOPS_EPILOG, add_flops_arguments, flops_main
 from perfmon.agent.health import HEALTH_DESCRIPTION, add_health_arguments, health_main
+from perfmon.agent.outputs import json_bytes, write_user_file
 from perfmon.agent.session import AttachOptions, MonitorSession
 from perfmon.agent.stacks import add_stacks_arguments, stacks_main
-from perfmon.agent.summary import summary_from_records, write_json_atomic
-from perfmon.parsers.errors import EventLogError, PerfmonError
-from perfmon.parsers.events import decode_event_log
+from perfmon.agent.summary import rebuild_from_event_log
+from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.peak_tflops import DTYPES
 from perfmon.probes.pyspy import DEFAULT_RATE_HZ
 from rich.console import Console
@@ -42,32 +52,13 @@ SUMMARIZE_EPILOG = """examples:
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG,
         description="Measure running PyTorch/Megatron/FlagScale training jobs from outside.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(parser_class=OneLineParser, dest="command", required=True,
+                                metavar="COMMAND")
 
     attach = sub.add_parser(
         "attach",
@@ -77,23 +68,36 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=ATTACH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    attach.add_argument("--pid", type=int, required=True, help="training (or launcher) pid")
+    attach.add_argument("--pid", type=pid, required=True, help="training (or launcher) pid")
     attach.add_argument("--model-config", metavar="FILE", help="model dimensions, YAML or JSON")
     attach.add_argument("--model-preset", metavar="NAME", help="a well-known model shape")
     attach.add_argument(
         "--output-dir", type=Path, default=Path("outputs/logs/perf_monitor"),
-        help="where the summary and event log go (default: %(default)s)",
+        help="where the summary and event log go (default: %(default)s); it must belong to "
+        "root or this user and not be writable by others unless sticky",
     )
     attach.add_argument(
-        "--log-interval", type=_positive_int, default=10, metavar="N",
+        "--allow-shared-output-dir", action="store_true",
+        help="write into an output dir another user owns or may write (files are still "
+        "created exclusively, never through links)")
+    attach.add_argument(
+        "--max-log-entries", type=positive_int, default=DEFAULT_MAX_LOG_ENTRIES, metavar="N",
+        help="iteration_logs entries kept in the summary; older ones are thinned evenly "
+        "(default: %(default)s)")
+    attach.add_argument(
+        "--event-log-part-mib", type=positive_int, default=DEFAULT_PART_BYTES >> 20,
+        metavar="MIB", help="start a new event log part after this many MiB "
+        "(default: %(default)s)")
+    attach.add_argument(
+        "--log-interval", type=positive_int, default=10, metavar="N",
         help="iterations per iteration_logs entry (default: %(default)s)",
     )
     attach.add_argument(
-        "--duration", type=_positive_float, metavar="SECONDS",
+        "--duration", type=positive_float, metavar="SECONDS",
         help="stop after this long (default: until the job exits or SIGINT/SIGTERM)",
     )
     attach.add_argument(
-        "--peak-tflops", type=_positive_float, metavar="TFLOPS",
+        "--peak-tflops", type=positive_float, metavar="TFLOPS",
         help="dense peak per GPU for MFU (default: from the device table; none on CPU)",
     )
     attach.add_argument(
@@ -109,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="uprobe: exact, needs eBPF; pyspy: from stack samples, needs only ptrace; "
         "auto: uprobe, else pyspy with a warning (default: %(default)s)",
     )
-    attach.add_argument("--iteration-function", metavar="REGEX",
+    attach.add_argument("--iteration-function", type=regex, metavar="REGEX",
                         help="pyspy mode: an iteration starts on entering a function whose "
                         "name matches (default: torch.optim Optimizer.step)")
     attach.add_argument("--iteration-variable", metavar="NAME",
@@ -117,12 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "iteration, iter_num, step, global_step)")
     attach.add_argument("--no-stack-sampling", action="store_true",
                         help="no py-spy sampling in uprobe mode (no phase breakdown)")
-    attach.add_argument("--stack-rate", type=_positive_int, default=DEFAULT_RATE_HZ,
+    attach.add_argument("--stack-rate", type=positive_int, default=DEFAULT_RATE_HZ,
                         metavar="HZ", help="py-spy samples a second (default: %(default)s)")
-    attach.add_argument("--hang-factor", type=_positive_float, default=10.0, metavar="K",
+    attach.add_argument("--hang-factor", type=positive_float, default=10.0, metavar="K",
                         help="hung after K x the median step time without an iteration "
                         "(default: %(default)s) ...")
-    attach.add_argument("--hang-timeout", type=_positive_float, default=120.0,
+    attach.add_argument("--hang-timeout", type=positive_float, default=120.0,
                         metavar="SECONDS", help="... and at least this long (default: %(default)s)")
     attach.add_argument("--json", action="store_true", help="print the final summary to stdout")
 
@@ -213,35 +217,75 @@ def _attach(args: argparse.Namespace) -> int:
         iteration_source=args.iteration_source, iteration_function=args.iteration_function,
         iteration_variable=args.iteration_variable, stack_sampling=not args.no_stack_sampling,
         stack_rate_hz=args.stack_rate, hang_factor=args.hang_factor,
-        hang_timeout_s=args.hang_timeout,
+        hang_timeout_s=args.hang_timeout, allow_shared_output_dir=args.allow_shared_output_dir,
+        max_log_entries=args.max_log_entries,
+        event_log_part_bytes=args.event_log_part_mib << 20,
     )
-    session = MonitorSession(
-        options, lambda entry: console.print(progress_line(entry)),
-        warn=lambda line: print(f"{PROG}: warning: {line}", file=sys.stderr, flush=True),
-    )
-    console.print(f"Attaching to pid {args.pid}... Ctrl-C to end.")
+    out = _Output(console)
+    session = MonitorSession(options, lambda entry: out.print(progress_line(entry)), warn=_warn)
+    out.on_closed = lambda: session.stop("stdout_closed")
+    out.print(f"Attaching to pid {args.pid}... Ctrl-C to end.")
     result = session.run()
     if args.json:
-        print(json.dumps(result.summary, indent=2))
+        out.write(json.dumps(result.summary, indent=2) + "\n")
     else:
-        print_summary_table(console, result.summary, result.summary_path)
+        out.table(result.summary, result.summary_path)
+    if result.write_error is not None:
+        raise result.write_error
     return 0
 
 
+def _warn(line: str) -> None:
+    print(f"{PROG}: warning: {line}", file=sys.stderr, flush=True)
+
+
+class _Output:
+    """The console, until its reader goes away (``attach ... | head``): then silence.
+
+    A closed stdout ends the session quietly (``on_closed``); the summary file
+    is still written.
+    """
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.closed = False
+        self.on_closed: Any = None
+
+    def _guard(self, action: Any) -> None:
+        if self.closed:
+            return
+        try:
+            action()
+            self.console.file.flush()
+        except BrokenPipeError:
+            self.closed = True
+            quiet_broken_pipe()
+            if self.on_closed is not None:
+                self.on_closed()
+
+    def print(self, text: str) -> None:
+        self._guard(lambda: self.console.print(text))
+
+    def write(self, text: str) -> None:
+        self._guard(lambda: sys.stdout.write(text))
+
+    def table(self, summary: dict[str, Any], path: Path) -> None:
+        self._guard(lambda: print_summary_table(self.console, summary, path))
+
+
 def _summarize(args: argparse.Namespace) -> int:
-    try:
-        data = args.event_log.read_bytes()
-    except OSError as err:
-        raise EventLogError(f"event log {args.event_log}: {err.strerror}") from err
-    records, truncated = decode_event_log(data, str(args.event_log))
-    summary = summary_from_records(records, truncated)
-    stamp = args.event_log.name.removeprefix("perf_events_").removesuffix(".msgpack")
-    output = args.output or args.event_log.with_name(f"perf_summary_{stamp}.json")
-    write_json_atomic(output, summary)
+    rebuilt = rebuild_from_event_log(args.event_log)
+    for line in rebuilt.warnings:
+        _warn(line)
+    first = rebuilt.parts[0]
+    stamp = first.name.removeprefix("perf_events_").removesuffix(".msgpack")
+    output = args.output or first.with_name(f"perf_summary_{stamp}.json")
+    write_user_file(output, json_bytes(rebuilt.summary))
+    out = _Output(Console(highlight=False))
     if args.json:
-        print(json.dumps(summary, indent=2))
+        out.write(json.dumps(rebuilt.summary, indent=2) + "\n")
     else:
-        print_summary_table(Console(highlight=False), summary, output)
+        out.table(rebuilt.summary, output)
     return 0
 
 
@@ -258,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        quiet_broken_pipe()  # stdout's reader went away: nothing more to say
+        return 0
 
 
 if __name__ == "__main__":

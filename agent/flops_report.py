@@ -11,6 +11,7 @@ import json
 import shlex
 from typing import Any
 
+from perfmon.agent.argtypes import positive_int
 from perfmon.agent.model import read_model_config_file
 from perfmon.parsers.errors import ModelConfigError
 from perfmon.parsers.flops import model_flops_per_iteration
@@ -35,7 +36,7 @@ def add_flops_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-preset", metavar="NAME", help="a well-known model shape")
     parser.add_argument("--from-cmdline", metavar="ARGS",
                         help="a Megatron/FlagScale-style command line, quoted as one argument")
-    parser.add_argument("--global-batch-size", type=int, metavar="N",
+    parser.add_argument("--global-batch-size", type=positive_int, metavar="N",
                         help="samples per iteration (default: from the sources, else 1)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -60,8 +61,6 @@ def flops_report(args: argparse.Namespace) -> dict[str, Any]:
     source = "+".join(name for name, _ in layers)
     cfg = model_config_from_mapping(merge_model_fields(*(f for _, f in layers)), source=source)
     batch = args.global_batch_size or cfg.global_batch_size or 1
-    if batch <= 0:
-        raise ModelConfigError(f"--global-batch-size must be positive, got {batch}")
     flops = model_flops_per_iteration(cfg, batch)
     return {
         "source": source,

@@ -91,17 +91,41 @@ class GpuMonitor:
         return events
 
     def peak_tflops(self, records: list[dict[str, Any]], dtype: str) -> tuple[float | None, str]:
-        """The dense peak of the job's GPU for ``dtype``, from the first samples."""
-        gpus = [g for r in records if r["type"] == "gpu" for g in r["gpus"]]
-        mine = [g for g in gpus if set(g.get("process_memory_bytes") or {}) & set(self.pids)]
-        for g in mine or gpus:
-            if g.get("name"):
-                return peak_tflops_for(g["name"], dtype), g["name"]
+        """The dense peak of the job's GPU for ``dtype``, from the first samples.
+
+        None for a job on none of the GPUs (a CPU job on a GPU host).
+        """
+        for record in records:
+            if record["type"] != "gpu":
+                continue
+            indices, _how = job_gpu_indices(record["gpus"])
+            for g in record["gpus"]:
+                if g["index"] in indices and g.get("name"):
+                    return peak_tflops_for(g["name"], dtype), g["name"]
         return None, "unknown"
 
     def close(self) -> None:
         self.sampler.close()
         self.xids.close()
+
+
+def job_gpu_indices(gpus: list[dict[str, Any]]) -> tuple[set[int], str]:
+    """The GPUs of one ``gpu`` record that are the job's, and how that was decided.
+
+    The sampler lists only the job's processes in ``process_memory_bytes``:
+    GPUs showing one are the job's (``processes``). When NVML lists no compute
+    process on any GPU (a container with its own PID namespace, or a driver
+    that does not say), every GPU counts as the job's (``all_gpus``). Otherwise
+    other processes use the GPUs and the job none of them (``none``: a CPU job
+    on a GPU host gets no GPU figures and no MFU).
+    """
+    alive = [g for g in gpus if not g.get("lost")]
+    mine = {g["index"] for g in alive if g.get("process_memory_bytes")}
+    if mine:
+        return mine, "processes"
+    if not any(g.get("process_count") for g in gpus):
+        return {g["index"] for g in alive}, "all_gpus"
+    return set(), "none"
 
 
 def _sample_record(sample: dict[str, Any]) -> dict[str, Any]:

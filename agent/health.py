@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from perfmon.agent.argtypes import int_list, non_negative_float
+from perfmon.parsers.errors import PerfmonError
 from perfmon.probes.nvml import (
     GpuHealthReadings,
     GpuSample,
@@ -432,24 +434,6 @@ exit status: 0 no check failed (warnings allowed), 1 a check failed,
 """
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, not {text!r}") \
-            from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, not {text!r}")
-    return value
-
-
 def add_health_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``health`` options (--json, --gpus, --window, --pids) to ``parser``."""
     if parser.epilog is None:
@@ -457,19 +441,30 @@ def add_health_arguments(parser: argparse.ArgumentParser) -> None:
         parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--json", action="store_true",
                         help="print the report as JSON instead of a table")
-    parser.add_argument("--gpus", type=_int_list, default=None, metavar="0,1",
+    parser.add_argument("--gpus", type=int_list, default=None, metavar="0,1",
                         help="NVML indices (PCI bus order, not CUDA_VISIBLE_DEVICES); "
                              "default: all")
-    parser.add_argument("--window", type=_seconds, default=5.0, metavar="SECONDS",
+    parser.add_argument("--window", type=non_negative_float, default=5.0, metavar="SECONDS",
                         help="watch XID events, temperature, power and clock events this "
                              "long (default: 5)")
-    parser.add_argument("--pids", type=_int_list, default=None, metavar="PID,...",
+    parser.add_argument("--pids", type=int_list, default=None, metavar="PID,...",
                         help="the job's processes; any other process on a GPU warns")
 
 
 def health_main(args: argparse.Namespace) -> int:
-    """Run the check from parsed arguments, print it; return the exit status."""
-    report = run_health_check(args.gpus, args.window, set(args.pids or ()))
+    """Run the check from parsed arguments, print it; return the exit status.
+
+    With ``--json`` stdout always holds a JSON document: the report, or, when
+    no report can be made (no driver, no such GPU), ``status: error`` with the
+    reason and the same exit status as the one line on stderr.
+    """
+    try:
+        report = run_health_check(args.gpus, args.window, set(args.pids or ()))
+    except PerfmonError as err:
+        if args.json:
+            print(json.dumps({"schema_version": SCHEMA_VERSION, "status": "error",
+                              "exit_code": err.exit_code, "error": str(err)}, indent=2))
+        raise
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -8,15 +8,13 @@ command line points at (read through /proc/PID/root and relative to
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from perfmon.agent.aggregate import Workload
 from perfmon.parsers.errors import ModelConfigError
 from perfmon.parsers.flops import model_flops_per_iteration
-from perfmon.parsers.hf_config import hf_config_to_fields
+from perfmon.parsers.hf_config import hf_config_to_fields, parse_hf_config
 from perfmon.parsers.megatron_args import (
     cmdline_batch_fields,
     hf_config_locations,
@@ -26,38 +24,60 @@ from perfmon.parsers.model_config import (
     ModelConfig,
     merge_model_fields,
     model_config_from_mapping,
+    model_fields_from_mapping,
     parse_model_config_fields,
 )
 from perfmon.parsers.presets import preset_fields
+from perfmon.probes.files import (
+    InputFileError,
+    JobFileError,
+    JobFileMissing,
+    read_job_file,
+    read_user_file,
+)
 from perfmon.probes.procfs import TargetProcess
 
 
 def read_model_config_file(path: str) -> dict[str, Any]:
-    """The fields a YAML/JSON model config file sets; ModelConfigError names the file and field."""
+    """The fields a YAML/JSON model config file sets; ModelConfigError names the file and field.
+
+    The file is the user's: read with the agent's rights, but only a regular
+    file of at most MAX_CONFIG_BYTES, never through a link another user owns.
+    """
     try:
-        text = Path(path).read_text()
-    except FileNotFoundError as err:
-        raise ModelConfigError(f"model config {path}: no such file") from err
-    except OSError as err:
-        raise ModelConfigError(f"model config {path}: cannot read: {err.strerror}") from err
-    return parse_model_config_fields(text, source=path)
+        data = read_user_file(path, "model config")
+    except InputFileError as err:
+        raise ModelConfigError(str(err)) from err
+    return parse_model_config_fields(data, source=path)
 
 
-def _hf_fields(target: TargetProcess) -> tuple[dict[str, Any], str | None]:
+def _hf_fields(target: TargetProcess) -> tuple[dict[str, Any], str | None, list[str]]:
+    """(fields, location, warnings) of the first config.json the job names that can be read.
+
+    Read with the job's credentials (perfmon.probes.files.read_job_file): what
+    the job's user may not read, the agent does not read either.
+    """
+    warnings: list[str] = []
     for location in hf_config_locations(target.cmdline):
-        base = Path(location)
-        if not base.is_absolute():
-            base = Path(f"/proc/{target.pid}/cwd") / base
-        else:
-            base = Path(f"/proc/{target.pid}/root{location}")
-        candidate = base / "config.json" if not base.name.endswith(".json") else base
+        candidate = location if location.endswith(".json") else f"{location}/config.json"
         try:
-            data = json.loads(candidate.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            return hf_config_to_fields(data), location
-    return {}, None
+            data = read_job_file(target.pid, candidate)
+            return hf_config_to_fields(parse_hf_config(data, candidate)), location, warnings
+        except JobFileMissing:
+            continue  # a hub model name rather than a folder: nothing to read
+        except (JobFileError, ModelConfigError) as err:
+            warnings.append(f"config.json the job names not used: {err}")
+    return {}, None, warnings
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model config when complete, the fields every source gave, and their description."""
+
+    config: ModelConfig | None
+    fields: dict[str, Any]
+    description: dict[str, Any]
+    warnings: tuple[str, ...] = ()
 
 
 def explicit_model_fields(
@@ -74,12 +94,14 @@ def explicit_model_fields(
 
 def resolve_model(
     target: TargetProcess, explicit: list[tuple[str, dict[str, Any]]]
-) -> tuple[ModelConfig | None, dict[str, Any]]:
+) -> ResolvedModel:
     """The model config from every source, and a description of where each part came from.
 
     ``explicit`` comes from :func:`explicit_model_fields` and wins over what the
-    target's command line and Hugging Face config say. Returns (None,
-    description) when no source names the model's dimensions.
+    target's command line and Hugging Face config say. ``config`` is None when
+    no source names the model's dimensions or they are incomplete (then
+    ``description['problem']`` says why, naming fields but no values from the
+    job's files); ``fields`` still holds what was given (batch, sequence length).
     """
     # A preset is a typical shape: what the job itself says (its command line,
     # its config.json) beats it, and only the user's own file beats the job.
@@ -88,14 +110,14 @@ def resolve_model(
                       **parse_megatron_cmdline(target.cmdline)}
     if cmdline_fields:
         layers.append(("cmdline", cmdline_fields))
-    hf, location = _hf_fields(target)
+    hf, location, warnings = _hf_fields(target)
     if hf:
         layers.append((f"hf_config:{location}", hf))
     layers += [layer for layer in explicit if layer[0].startswith("preset:")]
     used = [name for name, fields in layers if fields]
     description: dict[str, Any] = {"source": "+".join(used) if used else "none"}
     if not used:
-        return None, description
+        return ResolvedModel(None, {}, description, tuple(warnings))
     merged = merge_model_fields(*(fields for _, fields in layers))
     # Which source gave each field, so the summary says what was given and by whom.
     description["field_sources"] = {
@@ -106,23 +128,40 @@ def resolve_model(
         merged["seq_length"] = merged["max_position_embeddings"]
         description["field_sources"]["seq_length"] = "max_position_embeddings"
     try:
-        return model_config_from_mapping(merged, source=description["source"]), description
+        config = model_config_from_mapping(merged, source=description["source"], redact=bool(hf))
     except ModelConfigError as err:
         if explicit:
             raise  # the user named the model: an incomplete or wrong one is an error
         # Found on the job's own command line or config.json: a job that names only
         # some dimensions is still measured, without FLOPs.
         description["problem"] = str(err)
-        return None, description
+        return ResolvedModel(None, _valid_fields(merged), description, tuple(warnings))
+    return ResolvedModel(config, merged, description, tuple(warnings))
+
+
+def _valid_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields that are valid each on its own (of an incomplete or inconsistent set)."""
+    valid = {}
+    for key, value in fields.items():
+        try:
+            valid.update(model_fields_from_mapping({key: value}, "", redact=True))
+        except ModelConfigError:
+            continue
+    return valid
 
 
 def build_workload(
-    cfg: ModelConfig | None, target: TargetProcess, peak_tflops: float | None
+    model: ResolvedModel, target: TargetProcess, peak_tflops: float | None
 ) -> tuple[Workload, dict[str, Any]]:
-    """The per-iteration workload and the model section of session_info."""
+    """The per-iteration workload and the model section of session_info.
+
+    Without complete dimensions there are no FLOPs, but tokens/s and samples/s
+    still follow from the batch and sequence length when the sources give them.
+    """
     world_size = _positive_int(target.environ.get("WORLD_SIZE")) or 1
+    cfg = model.config
     if cfg is None:
-        return Workload(world_size=world_size, peak_tflops=peak_tflops), {}
+        return _throughput_only(model.fields, world_size, peak_tflops)
     parallel = (
         cfg.tensor_model_parallel_size
         * cfg.pipeline_model_parallel_size
@@ -173,6 +212,29 @@ def build_workload(
         "data_parallel_size": world_size // parallel,
     }
     return workload, info
+
+
+def _throughput_only(fields: dict[str, Any], world_size: int, peak_tflops: float | None
+                     ) -> tuple[Workload, dict[str, Any]]:
+    """The workload of a job whose batch and sequence length are known, but not its model."""
+    parallel = 1
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "context_parallel_size"):
+        parallel *= fields.get(key, 1)
+    data_parallel = world_size // parallel if world_size % parallel == 0 else 1
+    workload = Workload(
+        seq_length=fields.get("seq_length"), global_batch_size=fields.get("global_batch_size"),
+        micro_batch_size=fields.get("micro_batch_size"), data_parallel_size=data_parallel,
+        world_size=world_size, peak_tflops=peak_tflops)
+    if workload.seq_length is None and workload.global_batch_size is None \
+            and workload.micro_batch_size is None:
+        return workload, {}
+    batch = "given" if workload.global_batch_size else (
+        "derived: micro_batch_size x microbatches_per_step x data_parallel_size"
+        if workload.micro_batch_size else "unknown")
+    return workload, {"global_batch_size": batch, "world_size": world_size,
+                      "data_parallel_size": data_parallel,
+                      "seq_length": workload.seq_length}
 
 
 def _positive_int(value: str | None) -> int | None:

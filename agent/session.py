@@ -17,13 +17,14 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from perfmon.agent.aggregate import StepAggregator
-from perfmon.agent.eventlog import EventLogWriter
+from perfmon.agent.aggregate import DEFAULT_MAX_LOG_ENTRIES, StepAggregator
+from perfmon.agent.eventlog import DEFAULT_PART_BYTES, EventLogWriter
 from perfmon.agent.gpu import GpuMonitor
 from perfmon.agent.health import run_health_check
 from perfmon.agent.model import build_workload, explicit_model_fields, resolve_model
+from perfmon.agent.outputs import OutputDir, OutputDirError, OutputNotWritable, json_bytes
 from perfmon.agent.stack_monitor import StackMonitor, dump_ranks, main_python_stacks
-from perfmon.agent.summary import build_summary, finite, write_json_atomic
+from perfmon.agent.summary import SummaryFile, build_summary
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.stack_analysis import innermost_common_frame
 from perfmon.probes.cuda import CudaActivityProbe
@@ -48,10 +49,7 @@ SUMMARY_MIN_INTERVAL_NS = 1_000_000_000
 SUMMARY_REFRESH_NS = 5_000_000_000
 SUMMARY_WRITE_BUDGET = 50
 HEALTH_WINDOW_S = 5.0
-
-
-class OutputDirError(PerfmonError):
-    exit_code = 2
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -74,6 +72,9 @@ class AttachOptions:
     stack_rate_hz: int = DEFAULT_RATE_HZ
     hang_factor: float = 10.0
     hang_timeout_s: float = 120.0
+    allow_shared_output_dir: bool = False
+    max_log_entries: int = DEFAULT_MAX_LOG_ENTRIES
+    event_log_part_bytes: int = DEFAULT_PART_BYTES
 
 
 @dataclass
@@ -82,6 +83,8 @@ class SessionResult:
     events_path: Path
     summary: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
+    # Set when the final summary (or the event log) could not be written: exit 7.
+    write_error: OutputNotWritable | None = None
 
 
 def agent_version() -> str:
@@ -89,16 +92,6 @@ def agent_version() -> str:
         return version("perfmon-agent")
     except PackageNotFoundError:
         return "unknown"
-
-
-def _prepare_output_dir(path: Path) -> Path:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise OutputDirError(f"output dir {path}: cannot create: {err.strerror}") from err
-    if not path.is_dir():
-        raise OutputDirError(f"output dir {path}: not a directory")
-    return path
 
 
 def _session_facts(
@@ -125,20 +118,27 @@ def _session_facts(
 
 @dataclass
 class _Live:
-    """What a running session polls and feeds."""
+    """What a running session polls and feeds, and the files it writes."""
 
     probe: MarkerProbe | None  # None in pyspy mode
     stacks: StackMonitor | None  # None without stack sampling
     cuda: CudaActivityProbe | None  # None without uprobes or without CUDA libraries
     memory: MemorySampler
     gpu: GpuMonitor
+    out: OutputDir
     log: EventLogWriter
+    summary: SummaryFile
     aggregator: StepAggregator
 
-    def close(self) -> None:
+    def close_sources(self, warn: Callable[[str], None]) -> None:
+        """Detach and stop every source; a failure is a warning, never a traceback."""
         for part in (self.probe, self.stacks, self.cuda, self.memory, self.gpu):
-            if part is not None:
+            if part is None:
+                continue
+            try:
                 part.close()
+            except Exception as err:  # bcc raises bare Exception while detaching
+                warn(f"closing {type(part).__name__} failed: {err}")
 
 
 class MonitorSession:
@@ -156,6 +156,7 @@ class MonitorSession:
         self._stop_reason: str | None = None
         self._dropped_logged = 0
         self._hang_since: int | None = None  # iterations_ended when the hang was declared
+        self._failing: dict[str, bool] = {}  # file -> its last write failed
         self.warnings: list[str] = []
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
@@ -214,16 +215,22 @@ class MonitorSession:
                 self._warning(text)
         return source, probe, stacks
 
+    def stop(self, reason: str) -> None:
+        """End the session at the next poll (e.g. the output stream was closed)."""
+        self._stop_reason = self._stop_reason or reason
+
     def run(self) -> SessionResult:
         opts = self.options
         explicit = explicit_model_fields(opts.model_config, opts.model_preset)
         source = self._uprobe_host_ready()
         targets = resolve_targets(opts.pid)
         primary = targets[0]
-        cfg, model_source = resolve_model(primary, explicit)
-        if "problem" in model_source:
-            self._warning(f"model dimensions unknown, no FLOPs: {model_source['problem']} "
-                          "(give --model-config)")
+        model = resolve_model(primary, explicit)
+        for text in model.warnings:
+            self._warning(text)
+        if "problem" in model.description:
+            self._warning(f"model dimensions unknown, no FLOPs: "
+                          f"{model.description['problem']} (give --model-config)")
         pids = [t.pid for t in targets]
         health = self._health_check(pids) if opts.health_check else None
         gpu = GpuMonitor(pids, opts.gpu_interval_s)
@@ -233,9 +240,24 @@ class MonitorSession:
             peak, gpu.info["device"] = gpu.peak_tflops(first_gpu_records, opts.dtype)
         gpu.info.update(dtype=opts.dtype, peak_tflops=peak,
                         peak_tflops_from="--peak-tflops" if opts.peak_tflops else "device table")
-        workload, model_info = build_workload(cfg, primary, peak)
-        out_dir = _prepare_output_dir(opts.output_dir)
+        workload, model_info = build_workload(model, primary, peak)
+        # Checked (owner, mode, writable) before anything attaches.
+        out = OutputDir.open(opts.output_dir, allow_shared=opts.allow_shared_output_dir)
+        try:
+            return self._monitor(source=source, targets=targets, out=out, gpu=gpu,
+                                 first_gpu_records=first_gpu_records, health=health,
+                                 workload=workload, model={**model.description, **model_info})
+        finally:
+            gpu.close()
+            out.close()
 
+    def _monitor(self, *, source: str, targets: list[TargetProcess], out: OutputDir,
+                 gpu: GpuMonitor, first_gpu_records: list[dict[str, Any]],
+                 health: dict[str, Any] | None, workload: Any, model: dict[str, Any]
+                 ) -> SessionResult:
+        opts = self.options
+        primary = targets[0]
+        pids = [t.pid for t in targets]
         # Raises before any file is written when the host cannot probe.
         source, probe, stacks = self._start_sources(source, targets)
         cuda, cuda_info = (self._start_cuda(targets) if probe is not None
@@ -243,29 +265,34 @@ class MonitorSession:
         memory = MemorySampler(pids, opts.memory_interval_s)
         memory.start()
         start_ns, start_wall = monotonic_ns(), datetime.now().astimezone()
-        stamp = start_wall.strftime("%Y%m%d_%H%M%S")
-        summary_path = out_dir / f"perf_summary_{stamp}.json"
-        events_path = out_dir / f"perf_events_{stamp}.msgpack"
-        facts = _session_facts(targets, {**model_source, **model_info}, start_wall, start_ns, opts)
+        facts = _session_facts(targets, model, start_wall, start_ns, opts)
         facts.update(iteration_source=source, warnings=self.warnings, gpu=gpu.info,
                      stack_sampling=stacks is not None, workload=workload.__dict__,
-                     cuda=cuda_info)
+                     cuda=cuda_info, iteration_logs_max_entries=opts.max_log_entries)
         if health is not None:
             facts["health"] = health
         aggregator = StepAggregator(
             workload, primary.pid, start_ns, start_wall.timestamp(), opts.log_interval,
             stack_sampling=stacks is not None, cuda_counters=cuda is not None,
+            max_log_entries=opts.max_log_entries,
         )
-        log = EventLogWriter(events_path)
+        try:
+            summary_file, log = self._claim_files(
+                out, start_wall.strftime("%Y%m%d_%H%M%S"), facts, aggregator)
+        except BaseException:
+            for part in (probe, stacks, cuda, memory):
+                if part is not None:
+                    part.close()
+            raise
+        facts["event_log"] = log.name
         log.append({"type": "session_start", "t_mono_ns": start_ns, "session": facts})
         for record in first_gpu_records:
             log.append(record)
             aggregator.feed(record)
-        log.flush()
-        write_json_atomic(summary_path, build_summary(facts, aggregator))
+        self._write(log, summary_file, facts, aggregator)
 
-        live = _Live(probe, stacks, cuda, memory, gpu, log, aggregator)
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        live = _Live(probe, stacks, cuda, memory, gpu, out, log, summary_file, aggregator)
+        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         deadline = start_ns + int(opts.duration_s * 1e9) if opts.duration_s else None
         next_liveness = next_write = next_refresh = start_ns
         try:
@@ -273,12 +300,10 @@ class MonitorSession:
                 time.sleep(POLL_INTERVAL_S)
                 completed = self._ingest(live)
                 now = monotonic_ns()
-                if self._check_hang(live, targets, out_dir, now):
+                if self._check_hang(live, targets, now):
                     completed = True
                 if (completed and now >= next_write) or now >= next_refresh:
-                    # Log first, so the log always holds all that the summary counts.
-                    log.flush()
-                    write_json_atomic(summary_path, build_summary(facts, aggregator))
+                    self._write(log, summary_file, facts, aggregator)
                     spent = SUMMARY_WRITE_BUDGET * (monotonic_ns() - now)
                     next_write = now + max(SUMMARY_MIN_INTERVAL_NS, spent)
                     next_refresh = now + max(SUMMARY_REFRESH_NS, spent)
@@ -294,7 +319,7 @@ class MonitorSession:
             # then detach (which takes a while, and whose events we do not count).
             end_ns = monotonic_ns()
             self._ingest(live, until_ns=end_ns)
-            live.close()
+            live.close_sources(self._warning)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             end = {"type": "session_end", "t_mono_ns": end_ns,
@@ -302,10 +327,61 @@ class MonitorSession:
             for entry in aggregator.feed(end):
                 self.progress(entry)
             log.append(end)
-            log.close()
+            log_ok = log.close()
             summary = build_summary(facts, aggregator)
-            write_json_atomic(summary_path, summary)
-        return SessionResult(summary_path, events_path, summary, self.warnings)
+            summary_ok = summary_file.write(summary)
+        result = SessionResult(summary_file.path, out.path / log.name, summary, self.warnings)
+        failed = summary_file if not summary_ok else (log if not log_ok else None)
+        if failed is not None:
+            path = summary_file.path if failed is summary_file else out.path / log.name
+            result.write_error = OutputNotWritable(
+                f"output not writable: {path}: {failed.error.strerror if failed.error else '?'}")
+        return result
+
+    def _claim_files(self, out: OutputDir, stamp: str, facts: dict[str, Any],
+                     aggregator: StepAggregator) -> tuple[SummaryFile, EventLogWriter]:
+        """Claim a fresh pair of names: perf_summary_<ts>[_N].json and perf_events_<ts>[_N].
+
+        The summary is published (complete) under a name no file has, and the
+        event log created exclusively beside it; when either name is taken (two
+        agents in one second, or anything planted there), the next suffix is tried.
+        """
+        first = json_bytes(build_summary(facts, aggregator))
+        for n in range(1000):
+            suffix = f"_{n}" if n else ""
+            name = f"perf_summary_{stamp}{suffix}.json"
+            try:
+                out.publish_new(name, first)
+            except FileExistsError:
+                continue
+            try:
+                log = EventLogWriter(out, f"perf_events_{stamp}{suffix}",
+                                     part_bytes=self.options.event_log_part_bytes)
+            except FileExistsError:
+                out.unlink(name)
+                continue
+            return SummaryFile(out, name), log
+        raise OutputDirError(f"output dir {out.path}: no free file name for {stamp}")
+
+    def _write(self, log: EventLogWriter, summary_file: SummaryFile, facts: dict[str, Any],
+               aggregator: StepAggregator) -> None:
+        """Log first (so the log always holds all the summary counts), then the summary.
+
+        A failed write is said once, when it starts failing; the session goes on.
+        """
+        for what, ok, error in (
+            ("event log", log.flush(), log.error),
+            ("summary", summary_file.write(build_summary(facts, aggregator)), summary_file.error),
+        ):
+            failing = self._failing.get(what, False)
+            if not ok and not failing:
+                path = (summary_file.path if what == "summary"
+                        else summary_file.out.path / log.name)
+                self.warn(f"cannot write the {what} {path}: "
+                          f"{error.strerror if error else '?'}; measuring goes on, retrying")
+            elif ok and failing:
+                self.warn(f"the {what} is written again")
+            self._failing[what] = not ok
 
     def _start_cuda(
         self, targets: list[TargetProcess]
@@ -360,8 +436,7 @@ class MonitorSession:
                 completed = True
         return completed
 
-    def _check_hang(self, live: _Live, targets: list[TargetProcess], out_dir: Path,
-                    now_ns: int) -> bool:
+    def _check_hang(self, live: _Live, targets: list[TargetProcess], now_ns: int) -> bool:
         """Declare a hang (stacks of every rank into a report) or its end; True on either.
 
         Hung: no iteration for max(hang_factor x median step time, hang_timeout).
@@ -384,7 +459,6 @@ class MonitorSession:
         stacks = dump_ranks(targets)
         frame = innermost_common_frame(main_python_stacks(stacks))
         where = f"{frame.function} ({frame.file}:{frame.line})" if frame else "no common frame"
-        path = out_dir / f"hang_report_{datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
         report = {
             "detected_at": datetime.now().astimezone().isoformat(),
             "no_iteration_for_s": (now_ns - last) / 1e9,
@@ -393,10 +467,16 @@ class MonitorSession:
             "innermost_common_frame": asdict(frame) if frame else None,
             "ranks": {str(pid): [asdict(t) for t in threads] for pid, threads in stacks.items()},
         }
-        write_json_atomic(path, finite(report))
+        try:
+            name = live.out.publish_unique(
+                f"hang_report_{datetime.now().strftime('%Y%m%d_%H%M%S')}", ".json",
+                json_bytes(report))
+            path = str(live.out.path / name)
+        except OSError as err:
+            path = f"not written ({err.strerror})"
         self._log(live, {"type": "hang", "t_mono_ns": now_ns, "last_iteration_mono_ns": last,
                          "threshold_s": threshold_ns / 1e9, "frame": where,
-                         "report": str(path)})
+                         "report": path})
         self.warn(f"hang: no iteration for {(now_ns - last) / 1e9:.1f} s "
                   f"(threshold {threshold_ns / 1e9:.1f} s); ranks wait in {where}; "
                   f"stacks in {path}")

@@ -11,10 +11,10 @@ import json
 import sys
 from typing import Any
 
+from perfmon.agent.argtypes import OneLineParser, pid, positive_float
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.pyspy import Frame, ThreadStack
 from perfmon.parsers.stack_analysis import innermost_common_frame, main_thread
-from perfmon.probes.errors import NoSuchProcess
 from perfmon.probes.procfs import TargetProcess, resolve_targets
 from perfmon.probes.pyspy import dump_stacks
 
@@ -32,7 +32,7 @@ innermost frame all main threads share is printed last: where a hung job waits.
 
 def add_stacks_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the stacks command's options to a (sub-)parser."""
-    parser.add_argument("--pid", type=int, required=True, help="training (or launcher) pid")
+    parser.add_argument("--pid", type=pid, required=True, help="training (or launcher) pid")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     parser.add_argument(
         "--native", action="store_true",
@@ -40,7 +40,7 @@ def add_stacks_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--locals", action="store_true", help="show each frame's local variables")
     parser.add_argument(
-        "--timeout", type=float, default=10.0, metavar="SECONDS",
+        "--timeout", type=positive_float, default=10.0, metavar="SECONDS",
         help="give up on a rank's dump after this long (default: %(default)s)",
     )
 
@@ -107,8 +107,6 @@ def _print_text(dumps: list[tuple[TargetProcess, list[ThreadStack]]], with_local
 
 def stacks_main(args: argparse.Namespace) -> int:
     """Dump every rank's stacks; 0 on success. Raises PerfmonError subclasses."""
-    if args.pid <= 0:
-        raise NoSuchProcess(f"pid {args.pid}: not a valid process id")
     targets = resolve_targets(args.pid)
     dumps = [
         (t, dump_stacks(t.pid, native=args.native, locals_=args.locals, timeout_s=args.timeout))
@@ -133,7 +131,7 @@ def stacks_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point, with the CLI's error convention: one line and an exit code."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="perfmon-agent stacks",
         description="Print the Python stacks of a training job's ranks (py-spy dump).",
         epilog=STACKS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,

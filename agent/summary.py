@@ -1,4 +1,5 @@
-"""The perf summary file: built from the session facts and the aggregator, written atomically.
+"""The perf summary: built from the session facts and the aggregator, written atomically,
+and rebuilt from an event log.
 
 The format is FlagScale's in-process perf monitor's (``session_info``,
 ``final_statistics``, ``iteration_logs``), with extra keys only added, so
@@ -7,34 +8,28 @@ existing dashboards keep reading it. docs/perf_summary.schema.json describes it.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import tempfile
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from perfmon.agent.aggregate import StepAggregator, Workload
-
-
-def finite(value: Any) -> Any:
-    """The value with NaN and infinities replaced by None, recursively: strict JSON only."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite(v) for v in value]
-    return value
+from perfmon.agent.eventlog import part_name
+from perfmon.agent.outputs import WRITE_ERRNOS, OutputDir, finite, json_bytes
+from perfmon.parsers.errors import EventLogError
+from perfmon.parsers.events import EventLogReader
+from perfmon.probes.files import InputFileError, open_user_file
 
 
 def build_summary(session: dict[str, Any], aggregator: StepAggregator) -> dict[str, Any]:
     """The summary document for the records the aggregator has seen so far.
 
     ``end_time`` is null while the session runs; ``end_reason`` says why it
-    ended (target_exited, duration, SIGINT, SIGTERM, error, or log_truncated
-    for a summary rebuilt from the log of an agent that was killed).
+    ended (target_exited, duration, SIGINT, SIGTERM, SIGHUP, error, or
+    log_truncated for a summary rebuilt from the log of an agent that was killed).
     """
     info = dict(session)
     end_ns = aggregator.end_t_mono_ns
@@ -43,6 +38,7 @@ def build_summary(session: dict[str, Any], aggregator: StepAggregator) -> dict[s
     info["end_reason"] = aggregator.end_reason
     info["total_iterations"] = aggregator.iterations_ended
     info["hung"] = bool(aggregator.hangs) and aggregator.hangs[-1]["recovered_at"] is None
+    info["iteration_logs_kept_one_in"] = aggregator.log_stride
     if aggregator.job_iteration_offset is not None:
         info["iteration_numbering"] = (
             f"the job's own (local variable '{aggregator.job_iteration_variable}')")
@@ -55,35 +51,37 @@ def build_summary(session: dict[str, Any], aggregator: StepAggregator) -> dict[s
     )
 
 
-def write_json_atomic(path: Path, document: dict[str, Any]) -> None:
-    """Write, fsync, rename, fsync the folder: readers see the old file or the new, never half."""
-    text = json.dumps(document, indent=2, allow_nan=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+class SummaryFile:
+    """The session's ``perf_summary_<ts>.json``, rewritten atomically in ``out``.
 
-
-def summary_from_records(records: list[dict[str, Any]], truncated: bool) -> dict[str, Any]:
-    """Rebuild the summary from an event log's records (see perfmon.parsers.events).
-
-    A log without a ``session_end`` record (the agent was killed) ends at its
-    last record, with ``end_reason`` ``log_truncated``.
+    A write the disk refuses is data (``error``), not a failure: the previous
+    summary stays in place and the next write tries again.
     """
-    facts = records[0]["session"]
-    aggregator = StepAggregator(
+
+    def __init__(self, out: OutputDir, name: str) -> None:
+        self.out = out
+        self.name = name
+        self.error: OSError | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.out.path / self.name
+
+    def write(self, document: dict[str, Any]) -> bool:
+        try:
+            self.out.replace(self.name, json_bytes(document))
+        except OSError as err:
+            if err.errno not in WRITE_ERRNOS:
+                raise
+            self.error = err
+            return False
+        self.error = None
+        return True
+
+
+def aggregator_for(facts: dict[str, Any]) -> StepAggregator:
+    """A fresh aggregator for the session that ``facts`` (session_info at start) describe."""
+    return StepAggregator(
         Workload.from_dict(facts["workload"]),
         facts["primary_pid"],
         facts["attach_monotonic_ns"],
@@ -91,13 +89,104 @@ def summary_from_records(records: list[dict[str, Any]], truncated: bool) -> dict
         facts["log_interval"],
         stack_sampling=facts.get("stack_sampling", False),
         cuda_counters=facts.get("cuda", {}).get("available", False),
+        max_log_entries=facts.get("iteration_logs_max_entries"),
     )
-    for record in records[1:]:
-        aggregator.feed(record)
-    if aggregator.end_reason is None:
-        last_ns = max(r.get("t_mono_ns", 0) for r in records)
+
+
+_PART = re.compile(r"^(?P<stem>.+?)(?:\.part(?P<part>\d+))?\.msgpack$")
+
+
+def log_parts(path: Path) -> list[Path]:
+    """The parts of the event log that ``path`` (any of its parts) belongs to, in order."""
+    match = _PART.match(path.name)
+    if match is None:
+        return [path]
+    stem = match["stem"]
+    first = path.with_name(part_name(stem, 0))
+    parts = [first if first.exists() or match["part"] is None else path]
+    n = 1
+    while (nxt := path.with_name(part_name(stem, n))).exists():
+        if nxt != parts[0]:
+            parts.append(nxt)
+        n += 1
+    return parts
+
+
+@dataclass
+class Rebuilt:
+    summary: dict[str, Any]
+    parts: list[Path]
+    warnings: list[str] = field(default_factory=list)
+
+
+class _LogStream:
+    """Every record of a log's parts, streamed; problems become ``warnings``."""
+
+    def __init__(self, parts: list[Path]) -> None:
+        self.parts = parts
+        self.warnings: list[str] = []
+        self.tail_cut = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        skipped, unknown, problem = 0, 0, None
+        for index, part in enumerate(self.parts):
+            fd = open_user_file(str(part), "event log")
+            with os.fdopen(fd, "rb", buffering=0) as stream:
+                reader = EventLogReader(stream, str(part), os.fstat(fd).st_size)
+                expected = "session_start" if index == 0 else "log_part"
+                try:
+                    for record in reader:
+                        if reader.records == 1 and record["type"] != expected:
+                            if index == 0:
+                                raise EventLogError(
+                                    f"{part}: the first part of this event log is missing "
+                                    f"(it begins with a {record['type']} record)")
+                            self.warnings.append(f"{part}: not a part of this log: not read")
+                            break
+                        yield record
+                finally:
+                    skipped += reader.skipped
+                    unknown += reader.unknown
+                    problem = problem or reader.first_problem
+            if reader.corrupt:
+                self.warnings.append(f"{part}: {reader.corrupt}: the rest of it is not read")
+            self.tail_cut = reader.tail_cut
+        if skipped:
+            self.warnings.append(
+                f"{skipped} records of the wrong shape skipped (first: {problem})")
+        if unknown:
+            self.warnings.append(f"{unknown} records of types this version does not know skipped")
+
+
+def rebuild_from_event_log(path: Path) -> Rebuilt:
+    """Rebuild the summary from an event log (all its parts), in flat memory.
+
+    A log without a ``session_end`` record (the agent was killed) ends at its
+    last record, with ``end_reason`` ``log_truncated``. Raises EventLogError or
+    InputFileError (both exit 2) for a file that is no event log.
+    """
+    try:
+        parts = log_parts(path)
+    except OSError as err:
+        raise InputFileError(f"event log {path}: {err.strerror}") from err
+    stream = _LogStream(parts)
+    records = iter(stream)
+    first = next(records)
+    facts = first["session"]
+    try:
+        aggregator = aggregator_for(facts)
+    except (KeyError, TypeError, ValueError) as err:
+        raise EventLogError(f"{path}: session_start record lacks session facts ({err})") from err
+    last_ns = first["t_mono_ns"]
+    feed = aggregator.feed
+    for record in records:
+        feed(record)
+        last_ns = max(last_ns, record["t_mono_ns"])
+    truncated = aggregator.end_reason is None
+    if truncated:
         aggregator.feed({"type": "session_end", "t_mono_ns": last_ns, "reason": "log_truncated"})
     summary = build_summary(facts, aggregator)
     summary["session_info"]["rebuilt_from_event_log"] = True
-    summary["session_info"]["event_log_tail_cut"] = truncated
-    return summary
+    summary["session_info"]["event_log_tail_cut"] = stream.tail_cut
+    summary["session_info"]["event_log_parts"] = len(parts)
+    return Rebuilt(summary, parts, stream.warnings)

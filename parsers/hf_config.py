@@ -9,8 +9,12 @@ Pure: a dict in (the caller reads the file).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
+
+from perfmon.parsers.errors import ModelConfigError
+from perfmon.parsers.model_config import MAX_NESTING, check_nesting, decode_config_text
 
 # ModelConfig field <- config.json keys, the first present (and not null) wins.
 _RENAMES: dict[str, tuple[str, ...]] = {
@@ -39,6 +43,31 @@ _GATED_MLP_MODEL_TYPES = frozenset({
     "deepseek_v2", "deepseek_v3", "gemma", "gemma2", "phi3", "internlm2", "olmo2",
 })  # fmt: skip
 _GATED_ACTIVATIONS = frozenset({"silu", "swiglu"})
+
+
+def parse_hf_config(data: bytes, source: str) -> dict[str, Any]:
+    """A config.json's content as a dict.
+
+    Raises ModelConfigError for binary, non-UTF-8, unparsable or too deeply
+    nested content, or a top level that is not an object; the message never
+    quotes the content (the file may be one the user is not entitled to see).
+    """
+    text = decode_config_text(data, source)
+    try:
+        config = json.loads(text)
+    except RecursionError:
+        raise ModelConfigError(
+            f"model config {source}: nested deeper than {MAX_NESTING} levels") from None
+    except json.JSONDecodeError as err:
+        raise ModelConfigError(f"model config {source}: not valid JSON at line {err.lineno}, "
+                               f"column {err.colno}") from None
+    except ValueError:  # an integer beyond Python's digit limit
+        raise ModelConfigError(f"model config {source}: a number too long to read") from None
+    if not isinstance(config, dict):
+        raise ModelConfigError(
+            f"model config {source}: the top level is a {type(config).__name__}, not an object")
+    check_nesting(config, source)
+    return config
 
 
 def hf_config_to_fields(config: Mapping[str, object]) -> dict[str, object]:

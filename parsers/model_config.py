@@ -140,6 +140,33 @@ _NON_NEGATIVE_FIELDS = frozenset({"mtp_num_layers"})
 _MLA_SIZES = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 # Patterns such as "([0]*3+[1]*58)*1" expand to one entry per layer; this bounds a typo's cost.
 _MAX_PATTERN_LENGTH = 100_000
+# Upper bounds on sizes, far above any real model, so that a value from an
+# untrusted source can neither allocate per layer nor overflow a float.
+_MAX_VALUE = {
+    "num_layers": 10**5, "mtp_num_layers": 10**5, "recompute_num_layers": 10**5,
+    "hidden_size": 10**7, "kv_channels": 10**7, "q_lora_rank": 10**7, "kv_lora_rank": 10**7,
+    "qk_head_dim": 10**7, "qk_pos_emb_head_dim": 10**7, "v_head_dim": 10**7,
+    "ffn_hidden_size": 10**8, "moe_ffn_hidden_size": 10**8,
+    "moe_shared_expert_intermediate_size": 10**8,
+    "seq_length": 10**8, "max_position_embeddings": 10**8,
+    "num_attention_heads": 10**6, "num_query_groups": 10**6, "num_experts": 10**6,
+    "moe_router_topk": 10**6, "make_vocab_size_divisible_by": 10**6,
+    "tensor_model_parallel_size": 10**6, "pipeline_model_parallel_size": 10**6,
+    "context_parallel_size": 10**6, "expert_model_parallel_size": 10**6,
+}
+_DEFAULT_MAX_VALUE = 10**9  # vocabularies and batch sizes
+# Nesting deeper than this in a config file is not a model description.
+MAX_NESTING = 32
+
+
+def max_value(name: str) -> int:
+    """The largest value an integer model field may take."""
+    return _MAX_VALUE.get(name, _DEFAULT_MAX_VALUE)
+
+
+def _shown(value: object, redact: bool) -> str:
+    """A value for an error message: its repr, or only its type for untrusted sources."""
+    return f"a {type(value).__name__}" if redact else repr(value)
 
 
 def parse_moe_layer_freq(text: str) -> int | tuple[int, ...]:
@@ -193,32 +220,47 @@ def _unknown_key_message(key: object) -> str:
     return f"unknown key {key!r}{hint}"
 
 
-def _field_problems(values: Mapping[str, Any]) -> Iterator[str]:
-    """Yield one message per field whose type or range is wrong (None means unset)."""
+def _field_problems(values: Mapping[str, Any], redact: bool = False) -> Iterator[str]:
+    """Yield one message per field whose type or range is wrong (None means unset).
+
+    ``redact``: name only the type of a wrong value (it came from a file the job
+    named, which the user may not be entitled to see).
+    """
     for name, value in values.items():
         if value is None:
             continue
         if name in _BOOL_FIELDS:
             if not isinstance(value, bool):
-                yield f"{name!r} must be true or false, got {value!r}"
+                yield f"{name!r} must be true or false, got {_shown(value, redact)}"
         elif name in _CHOICE_FIELDS:
-            if value not in _CHOICE_FIELDS[name]:
+            if not isinstance(value, str) or value not in _CHOICE_FIELDS[name]:
                 choices = ", ".join(repr(c) for c in _CHOICE_FIELDS[name])
-                yield f"{name!r} must be one of {choices}, got {value!r}"
+                yield f"{name!r} must be one of {choices}, got {_shown(value, redact)}"
         elif name == "moe_layer_freq" and isinstance(value, tuple | list):
+            if len(value) > _MAX_PATTERN_LENGTH:
+                yield f"'moe_layer_freq' has more than {_MAX_PATTERN_LENGTH} entries"
+                continue
             bad = [i for i, v in enumerate(value) if type(v) is not int or v not in (0, 1)]
             if bad:
                 yield (f"'moe_layer_freq' entries must be 0 or 1, "
-                       f"got {value[bad[0]]!r} at index {bad[0]}")
+                       f"got {_shown(value[bad[0]], redact)} at index {bad[0]}")
         else:
             lowest = 0 if name in _NON_NEGATIVE_FIELDS else 1
             if type(value) is not int or value < lowest:
                 kind = "a non-negative" if lowest == 0 else "a positive"
-                yield f"{name!r} must be {kind} integer, got {value!r}"
+                yield f"{name!r} must be {kind} integer, got {_shown(value, redact)}"
+            elif value > max_value(name):
+                yield f"{name!r} must be at most {max_value(name):,}, got {_shown(value, redact)}"
 
 
-def _cross_field_problem(v: Mapping[str, Any]) -> str | None:
-    """The first missing or inconsistent field, or None; ``v`` holds every optional field."""
+def _cross_field_problem(v: Mapping[str, Any], redact: bool = False) -> str | None:
+    """The first missing or inconsistent field, or None; ``v`` holds every optional field.
+
+    ``redact``: the message names the fields but none of their values.
+    """
+    def show(value: object) -> str:
+        return "" if redact else f" ({value})"
+
     for name in _REQUIRED:
         if v.get(name) is None:
             return f"missing required field {name!r}"
@@ -226,14 +268,15 @@ def _cross_field_problem(v: Mapping[str, Any]) -> str | None:
     if v["vocab_size"] is None and v["padded_vocab_size"] is None:
         return "missing required field 'vocab_size' (or 'padded_vocab_size')"
     if v["kv_channels"] is None and hidden % heads:
-        return (f"num_attention_heads ({heads}) does not divide hidden_size ({hidden}) "
+        return (f"num_attention_heads{show(heads)} does not divide hidden_size{show(hidden)} "
                 "and kv_channels is not set")
     if v["group_query_attention"]:
         groups = v["num_query_groups"]
         if groups is None:
             return "group_query_attention is true but num_query_groups is not set"
         if heads % groups:
-            return f"num_query_groups ({groups}) does not divide num_attention_heads ({heads})"
+            return (f"num_query_groups{show(groups)} does not divide "
+                    f"num_attention_heads{show(heads)}")
     if v["multi_latent_attention"]:
         if v["group_query_attention"]:
             # Megatron asserts this too: MLA has its own key/value compression.
@@ -243,16 +286,19 @@ def _cross_field_problem(v: Mapping[str, Any]) -> str | None:
                 return f"multi_latent_attention is true but {name!r} is not set"
     freq = v["moe_layer_freq"]
     if isinstance(freq, tuple | list) and len(freq) != v["num_layers"]:
+        if redact:
+            return "moe_layer_freq and num_layers disagree on the number of layers"
         return f"moe_layer_freq has {len(freq)} entries but num_layers is {v['num_layers']}"
     experts = v["num_experts"]
     if experts is not None and v["moe_router_topk"] > experts:
-        return f"moe_router_topk ({v['moe_router_topk']}) exceeds num_experts ({experts})"
+        return f"moe_router_topk{show(v['moe_router_topk'])} exceeds num_experts{show(experts)}"
     if v["recompute_method"] == "block" and v["recompute_num_layers"] is None:
         return "recompute_method 'block' needs recompute_num_layers"
     return None
 
 
-def model_fields_from_mapping(mapping: Mapping[str, object], source: str) -> dict[str, object]:
+def model_fields_from_mapping(mapping: Mapping[str, object], source: str,
+                              redact: bool = False) -> dict[str, object]:
     """Check one source's fields on their own and return them as a layer.
 
     Unknown keys (with a did-you-mean), wrong types and out-of-range values raise
@@ -260,18 +306,22 @@ def model_fields_from_mapping(mapping: Mapping[str, object], source: str) -> dic
     (unset, so a later layer may supply them); a ``moe_layer_freq`` string is
     evaluated and a list becomes a tuple; num_query_groups without
     group_query_attention implies group_query_attention. Checks that need
-    several fields wait for :func:`model_config_from_mapping`.
+    several fields wait for :func:`model_config_from_mapping`. ``redact``: error
+    messages name fields and types but no values (an untrusted source).
     """
     layer: dict[str, object] = {}
     for key, raw in mapping.items():
         if key not in _FIELD_NAMES:
-            raise ModelConfigError(f"model config {source}: {_unknown_key_message(key)}")
+            message = "an unknown key" if redact else _unknown_key_message(key)
+            raise ModelConfigError(f"model config {source}: {message}")
         value = raw
         if key == "moe_layer_freq" and isinstance(raw, str):
             try:
                 value = parse_moe_layer_freq(raw)
             except ValueError as err:
-                raise ModelConfigError(f"model config {source}: 'moe_layer_freq': {err}") from err
+                why = "not an integer or list pattern" if redact else str(err)
+                raise ModelConfigError(f"model config {source}: 'moe_layer_freq': {why}"
+                                       ) from err
         elif key == "moe_layer_freq" and isinstance(raw, list):
             value = tuple(raw)
         if value is not None:
@@ -279,22 +329,24 @@ def model_fields_from_mapping(mapping: Mapping[str, object], source: str) -> dic
     if "num_query_groups" in layer and "group_query_attention" not in layer:
         # A source that names key/value groups means GQA; Megatron would silently ignore them.
         layer["group_query_attention"] = True
-    problem = next(_field_problems(layer), None)
+    problem = next(_field_problems(layer, redact), None)
     if problem:
         raise ModelConfigError(f"model config {source}: {problem}")
     return layer
 
 
-def model_config_from_mapping(mapping: Mapping[str, object], source: str) -> ModelConfig:
+def model_config_from_mapping(mapping: Mapping[str, object], source: str,
+                              redact: bool = False) -> ModelConfig:
     """Validate a merged set of fields and build the ModelConfig.
 
     ``source`` names where the fields came from in every error message.
     Raises ModelConfigError for unknown keys, missing required fields (num_layers,
     hidden_size, num_attention_heads, seq_length, vocab_size or padded_vocab_size),
-    wrong types, non-positive sizes and inconsistent fields.
+    wrong types, non-positive or too large sizes and inconsistent fields;
+    ``redact`` as in :func:`model_fields_from_mapping`.
     """
-    layer = model_fields_from_mapping(mapping, source)
-    problem = _cross_field_problem({**_DEFAULTS, **layer})
+    layer = model_fields_from_mapping(mapping, source, redact)
+    problem = _cross_field_problem({**_DEFAULTS, **layer}, redact)
     if problem:
         raise ModelConfigError(f"model config {source}: {problem}")
     return ModelConfig(**layer)  # type: ignore[arg-type]  # types checked above
@@ -306,17 +358,57 @@ def model_config_from_mapping(mapping: Mapping[str, object], source: str) -> Mod
 _FLAGSCALE_SECTIONS = (("model",), ("system",), ("data", "tokenizer"))
 
 
-def parse_model_config_fields(text: str, source: str) -> dict[str, object]:
-    """Read a YAML or JSON model config file's text into a checked layer of fields.
+def check_nesting(data: object, source: str, limit: int = MAX_NESTING) -> None:
+    """Raise ModelConfigError when lists and mappings nest deeper than ``limit``.
+
+    Iterative, and each container is visited once (YAML anchors can make a
+    structure that contains itself).
+    """
+    seen: set[int] = set()
+    stack: list[tuple[object, int]] = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, Mapping | list | tuple) or id(node) in seen:
+            continue
+        if depth >= limit:
+            raise ModelConfigError(f"model config {source}: nested deeper than {limit} levels")
+        seen.add(id(node))
+        children = node.values() if isinstance(node, Mapping) else node
+        stack.extend((child, depth + 1) for child in children)
+
+
+def decode_config_text(data: bytes | str, source: str) -> str:
+    """Config file bytes as text; ModelConfigError for binary or non-UTF-8 content."""
+    if isinstance(data, str):
+        return data
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ModelConfigError(
+            f"model config {source}: not UTF-8 text (byte {err.start})") from None
+    if "\0" in text:
+        raise ModelConfigError(f"model config {source}: binary data, not a text file")
+    return text
+
+
+def parse_model_config_fields(data: bytes | str, source: str) -> dict[str, object]:
+    """Read a YAML or JSON model config file's content into a checked layer of fields.
 
     The top level is a mapping of field names (strict: unknown keys are errors),
     or a FlagScale train config with a ``model:`` mapping, whose ``model:``,
     ``system:`` and ``data: tokenizer:`` sections are searched for known fields
     and whose other keys (learning rates, logging, ...) are ignored.
-    Raises ModelConfigError with the parser's line and column for unparsable text.
+    Raises ModelConfigError with the parser's line and column for unparsable
+    text, and for binary, non-UTF-8 or too deeply nested content.
     """
+    text = decode_config_text(data, source)
     try:
-        data = yaml.safe_load(text)
+        loaded: Any = yaml.safe_load(text)
+    except RecursionError:
+        raise ModelConfigError(
+            f"model config {source}: nested deeper than {MAX_NESTING} levels") from None
+    except ValueError as err:  # e.g. an integer beyond Python's digit limit
+        raise ModelConfigError(f"model config {source}: unreadable value: {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -324,14 +416,15 @@ def parse_model_config_fields(text: str, source: str) -> dict[str, object]:
         raise ModelConfigError(
             f"model config {source}: not valid YAML/JSON{where}: {problem}"
         ) from err
-    if not isinstance(data, Mapping):
+    if not isinstance(loaded, Mapping):
         raise ModelConfigError(
             f"model config {source}: the top level must be a mapping of field names to values, "
-            f"got {type(data).__name__}"
+            f"got {type(loaded).__name__}"
         )
-    if isinstance(data.get("model"), Mapping):
-        data = merge_model_fields(*(_section(data, path) for path in _FLAGSCALE_SECTIONS))
-    return model_fields_from_mapping(data, source)
+    check_nesting(loaded, source)
+    if isinstance(loaded.get("model"), Mapping):
+        loaded = merge_model_fields(*(_section(loaded, path) for path in _FLAGSCALE_SECTIONS))
+    return model_fields_from_mapping(loaded, source)
 
 
 def _section(data: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, object]:
@@ -343,7 +436,7 @@ def _section(data: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, object
     return {k: v for k, v in node.items() if k in _FIELD_NAMES}
 
 
-def parse_model_config_text(text: str, source: str) -> ModelConfig:
+def parse_model_config_text(text: bytes | str, source: str) -> ModelConfig:
     """Parse a complete model config file (YAML or JSON) into a ModelConfig.
 
     Raises ModelConfigError as :func:`parse_model_config_fields` and

@@ -81,6 +81,10 @@ class ProcStatus:
     effective_capabilities: int
     rss_bytes: int | None
     peak_rss_bytes: int | None
+    fs_uid: int | None = None  # the uid (and gid) the kernel checks file access with
+    fs_gid: int | None = None
+    groups: tuple[int, ...] = ()
+    state: str = ""  # "R (running)", "Z (zombie)", ...
 
 
 def parse_status(text: str) -> ProcStatus:
@@ -95,11 +99,20 @@ def parse_status(text: str) -> ProcStatus:
         value = fields.get(key)
         return int(value.split()[0]) * 1024 if value else None
 
+    def fourth(key: str) -> int | None:
+        # Uid/Gid: real, effective, saved set and filesystem ids.
+        ids = fields.get(key, "").split()
+        return int(ids[3]) if len(ids) == 4 else None
+
     return ProcStatus(
         name=fields.get("Name", ""),
         effective_capabilities=int(fields.get("CapEff", "0"), 16),
         rss_bytes=kib("VmRSS"),
         peak_rss_bytes=kib("VmHWM"),
+        fs_uid=fourth("Uid"),
+        fs_gid=fourth("Gid"),
+        groups=tuple(int(g) for g in fields.get("Groups", "").split()),
+        state=fields.get("State", ""),
     )
 
 

@@ -280,10 +280,12 @@ class _GpuReader:
                         fallback=pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
         return None if mask is None else throttle_reason_names(mask)
 
-    def process_memory_bytes(self, pids: Collection[int] | None) -> dict[int, int | None] | None:
+    def processes(self, pids: Collection[int] | None
+                  ) -> tuple[dict[int, int | None] | None, int | None]:
+        """(memory per pid of ``pids`` (None: all), count of every compute process listed)."""
         procs = self.dev("process_memory_bytes", pynvml.nvmlDeviceGetComputeRunningProcesses_v3)
         if procs is None:
-            return None
+            return None, None
         memory: dict[int, int | None] = {}
         for proc in procs:
             if pids is not None and proc.pid not in pids:
@@ -295,7 +297,7 @@ class _GpuReader:
                 before = memory[proc.pid]
                 used = None if before is None or used is None else before + used
             memory[proc.pid] = used
-        return memory
+        return memory, len({proc.pid for proc in procs})
 
     def utilization(self) -> tuple[int | None, int | None]:
         util = self.dev("utilization_gpu_pct", pynvml.nvmlDeviceGetUtilizationRates)
@@ -328,6 +330,9 @@ class GpuSample:
     # Driver-side memory per pid (CUDA context + caching allocator reserve); None
     # values: the driver does not show that process's memory to us.
     process_memory_bytes: Mapping[int, int | None] | None = None
+    # How many compute processes (anyone's) NVML lists on this GPU; 0 inside a
+    # container with its own PID namespace, where NVML shows none.
+    process_count: int | None = None
     gpm: Mapping[str, float] | None = None  # GPM_METRIC_IDS names; Hopper+, from 2nd sample
     lost: bool = False
     error: str | None = None  # lost reason or failed reads ("field: message; ...")
@@ -426,6 +431,7 @@ class NvmlSampler(Sampler[GpuSample]):
         r = _GpuReader(gpu.index, gpu.handle, self.unsupported_fields)
         try:
             util_gpu, util_mem = r.utilization()
+            process_memory, process_count = r.processes(self._pids)
             memory = r.dev("memory_used_bytes", pynvml.nvmlDeviceGetMemoryInfo)
             sample = GpuSample(
                 gpu.index, t_ns, late_ns, gpu.uuid, gpu.name,
@@ -441,7 +447,8 @@ class NvmlSampler(Sampler[GpuSample]):
                                     pynvml.NVML_CLOCK_MEM),
                 temperature_c=r.temperature_c(),
                 throttle_reasons=r.throttle_reasons(),
-                process_memory_bytes=r.process_memory_bytes(self._pids),
+                process_memory_bytes=process_memory,
+                process_count=process_count,
                 gpm=self._read_gpm(gpu, r),
                 error="; ".join(r.errors.values()) or None,
             )
@@ -666,7 +673,7 @@ def _read_health(r: _GpuReader, uuid: str | None, name: str | None) -> GpuHealth
         # The maximum this GPU *and this slot* allow, not the GPU's alone.
         pcie_link_gen_max=r.dev("pcie_link_gen_max", pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
         nvlink_active=_nvlink_active(r),
-        process_memory_bytes=r.process_memory_bytes(None),
+        process_memory_bytes=r.processes(None)[0],
         unsupported=frozenset(r.missing),
         errors=dict(r.errors),
     )

@@ -71,11 +71,14 @@ def inspect_process(pid: int) -> TargetProcess:
         raise NoSuchProcess(f"pid {pid}: not a valid process id")
     try:
         proc = psutil.Process(pid)
-        name, create_time = proc.name(), proc.create_time()
+        name, create_time, state = proc.name(), proc.create_time(), proc.status()
     except psutil.NoSuchProcess as err:
         raise NoSuchProcess(f"pid {pid}: no such process") from err
     except psutil.AccessDenied as err:
         raise PrivilegeError(f"pid {pid}: access denied: run as root") from err
+    if state == psutil.STATUS_ZOMBIE:
+        raise UnsuitableTarget(
+            f"pid {pid} ({name}): is a zombie (it exited; its parent has not reaped it)")
     cmdline = procfs.parse_cmdline(_read(pid, "cmdline", binary=True))  # type: ignore[arg-type]
     mappings = procfs.parse_maps(_read(pid, "maps"))  # type: ignore[arg-type]
     exe = os.path.basename(cmdline[0]) if cmdline else name

@@ -30,7 +30,7 @@ def health(fake: FakeNvml, tmp_path: Path, scenario: str, *args: str,
     argv = ["-m", "perfmon.agent.health", "--window", WINDOW, *(["--json"] if json_out else []),
             *args]
     done = fake.run(argv, path)
-    out = json.loads(done.stdout) if json_out and done.returncode in (0, 1) else done.stdout
+    out = json.loads(done.stdout) if json_out else done.stdout
     if isinstance(out, dict):
         jsonschema.validate(out, SCHEMA)
     return done.returncode, out, done.stderr
@@ -203,10 +203,14 @@ def test_table_output_names_every_check(fake_nvml: FakeNvml, tmp_path: Path) -> 
 ])
 def test_no_driver_is_one_line_and_exit_5(fake_nvml: FakeNvml, tmp_path: Path,
                                           scenario: str, words: str) -> None:
-    code, out, stderr = health(fake_nvml, tmp_path, scenario)
-    assert (code, out) == (5, "")
+    code, out, stderr = health(fake_nvml, tmp_path, scenario)  # the JSON validates
+    assert code == 5
     assert stderr.count("\n") == 1 and "Traceback" not in stderr
     assert stderr.startswith("perfmon-agent: error: ") and words in stderr
+    # --json: stdout is still one JSON document, saying why there is no report.
+    assert out["status"] == "error" and out["exit_code"] == 5 and words in out["error"]
+    code, text, _ = health(fake_nvml, tmp_path, scenario, json_out=False)
+    assert (code, text) == (5, "")
 
 
 def test_no_nvml_library_is_one_line_and_exit_5(tmp_path: Path) -> None:
@@ -214,16 +218,19 @@ def test_no_nvml_library_is_one_line_and_exit_5(tmp_path: Path) -> None:
         pytest.skip("a real libnvidia-ml is installed, so 'no library' cannot be staged here")
     empty = FakeNvml(tmp_path)  # a directory without the library
     done = empty.run(["-m", "perfmon.agent.health", "--json"], None)
-    assert (done.returncode, done.stdout) == (5, "")
-    assert done.stderr == ("perfmon-agent: error: NVML unavailable "
-                           "(NVML_ERROR_LIBRARY_NOT_FOUND): libnvidia-ml.so.1 not found; "
-                           "is the NVIDIA driver installed?\n")
+    message = ("NVML unavailable (NVML_ERROR_LIBRARY_NOT_FOUND): libnvidia-ml.so.1 not found; "
+               "is the NVIDIA driver installed?")
+    assert done.returncode == 5
+    assert done.stderr == f"perfmon-agent: error: {message}\n"
+    report = json.loads(done.stdout)
+    jsonschema.validate(report, SCHEMA)
+    assert report == {"schema_version": 1, "status": "error", "exit_code": 5, "error": message}
 
 
 def test_a_gpu_index_nvml_lacks_is_one_line_and_exit_3(
         fake_nvml: FakeNvml, tmp_path: Path) -> None:
     code, out, stderr = health(fake_nvml, tmp_path, "count=2\n", "--gpus", "0,5")
-    assert (code, out) == (3, "")
+    assert (code, out["status"], out["exit_code"]) == (3, "error", 3)
     assert stderr == "perfmon-agent: error: GPU 5 not found: NVML sees 2 GPU(s)\n"
 
 

@@ -64,7 +64,8 @@ def test_a_sample_carries_every_field_in_our_units(fake_nvml: FakeNvml, tmp_path
         "power_w": 612.345, "power_limit_w": 700.0,
         "sm_clock_mhz": 1755, "mem_clock_mhz": 3201, "temperature_c": 63,
         "throttle_reasons": ["sw_power_cap", "sw_thermal_slowdown"],
-        "process_memory_bytes": {}, "gpm": None, "lost": False, "error": None,
+        "process_memory_bytes": {}, "process_count": 0, "gpm": None, "lost": False,
+        "error": None,
     }
 
 

@@ -68,10 +68,14 @@ def test_stacks_of_a_launcher_pid_shows_its_rank(start_target, tmp_path: Path):
     assert rank["threads"][0]["frames"][0]["function"] == "deliberately_stalled_collective"
 
 
-@pytest.mark.parametrize("pid", [NO_SUCH_PID, 0, -5])
-def test_stacks_of_a_bad_pid_is_one_line_on_stderr(pid: int):
+@pytest.mark.parametrize(("pid", "start"), [
+    (NO_SUCH_PID, f"perfmon-agent: error: pid {NO_SUCH_PID}: "),
+    (0, "perfmon-agent stacks: error: argument --pid: must be positive"),
+    (-5, "perfmon-agent stacks: error: argument --pid: must be positive"),
+])
+def test_stacks_of_a_bad_pid_is_one_line_on_stderr(pid: int, start: str):
     done = _stacks("--pid", str(pid))
     assert done.returncode != 0
     assert done.stdout == ""
     (line,) = done.stderr.splitlines()
-    assert line.startswith(f"perfmon-agent: error: pid {pid}: ")
+    assert line.startswith(start)

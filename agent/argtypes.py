@@ -1,0 +1,97 @@
+"""Command-line argument types: every bad value is refused by argparse with one line.
+
+Shared by every sub-command, so ``--pid -5``, ``--timeout nan`` or an invalid
+regex get the same treatment everywhere: exit 2 and a message naming the
+option, never a traceback later on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from typing import NoReturn
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with usage errors as one line on stderr (exit 2): ``prog: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def pid(text: str) -> int:
+    """A process id: a positive integer that fits pid_t (whether it exists is checked later)."""
+    value = positive_int(text)
+    if value >= 2**31:
+        raise argparse.ArgumentTypeError(f"not a process id: {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def regex(text: str) -> str:
+    """A Python regular expression (checked here, used later)."""
+    try:
+        re.compile(text)
+    except re.error as err:
+        raise argparse.ArgumentTypeError(f"not a valid regular expression: {err}") from None
+    return text
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated non-negative integers."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, not {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, not {text!r}")
+    return values
+
+
+def quiet_broken_pipe() -> None:
+    """After stdout's reader went away (``... | head``): no more writes, no traceback.
+
+    Python's documented way: point stdout at /dev/null so that the flush at
+    exit does not raise again.
+    """
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    finally:
+        os.close(devnull)

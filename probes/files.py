@@ -1,0 +1,296 @@
+"""Reading files safely as root: the user's files, and the files a job names.
+
+Two kinds of input, two rules:
+
+- Files the *user* names on the agent's command line (``--model-config``, an
+  event log) are read with the agent's own rights, but never block and never
+  balloon: the file is opened ``O_NONBLOCK`` (a FIFO opens at once), must be a
+  regular file (a FIFO, device or folder is refused), and is read up to a
+  size cap. The path is walked one component at a time without following a
+  symbolic link owned by anyone but root or the agent's user (a link a job's
+  user planted in a folder on the way is refused, as the kernel's
+  ``fs.protected_symlinks`` does in sticky folders).
+- Files the *job* names (its ``--model_name_or_path``, a config.json, paths
+  relative to its working folder) are read with the job's credentials, as the
+  job itself would read them: a short-lived child process enters the job's root
+  (``/proc/PID/root``, so containers work) and working folder
+  (``/proc/PID/cwd``), drops to the job's filesystem uid, gid and groups
+  (from ``/proc/PID/status``), and opens the file there with ``O_NOFOLLOW``
+  on its last component, regular files only, size-capped, within a timeout. A
+  root-only file the job names is therefore as unreadable to the agent as to
+  the job, and nothing it holds can leak into the agent's outputs.
+
+Needs: for job files, root (CAP_SYS_CHROOT, CAP_SETUID, CAP_SETGID, and
+CAP_SYS_PTRACE to reach /proc/PID/root).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+
+from perfmon.parsers import procfs
+from perfmon.parsers.errors import PerfmonError
+
+MAX_CONFIG_BYTES = 4 << 20  # model config files, config.json: far above any real one
+JOB_FILE_TIMEOUT_S = 1.0
+_MAX_LINK_HOPS = 40
+
+
+class InputFileError(PerfmonError):
+    """A file the user named cannot be used (missing, not a regular file, too large)."""
+
+    exit_code = 2
+
+
+class JobFileError(PerfmonError):
+    """A file the job names cannot be read as the job's user (a warning, not fatal)."""
+
+    exit_code = 3
+
+
+class JobFileMissing(JobFileError):
+    """The file the job names does not exist (e.g. a hub model name, not a folder)."""
+
+
+class PathRefused(Exception):
+    """A path the walk will not take; the message names the component and why."""
+
+
+def _trusted_owner(uid: int) -> bool:
+    return uid in (0, os.geteuid())
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def walk(path: str, *, final_directory: bool = True,
+         make_directory: Callable[[int, str], None] | None = None) -> int:
+    """An fd of ``path`` (absolute), opened one component at a time.
+
+    A symbolic link on the way is followed only when root or the agent's user
+    owns it. The last component is opened as a folder (``final_directory``) or
+    as a file (``O_RDONLY|O_NONBLOCK``, any type: the caller checks it). When a
+    folder on the way is missing, ``make_directory(parent_fd, name)`` may create
+    it. Raises PathRefused, or OSError from the last open.
+    """
+    parts = [p for p in path.split("/") if p]
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    hops = 0
+    try:
+        while parts:
+            part = parts.pop(0)
+            if part == ".":
+                continue
+            last = not parts
+            as_dir = final_directory or not last
+            flags = os.O_NOFOLLOW | os.O_CLOEXEC | (
+                os.O_RDONLY | os.O_DIRECTORY if as_dir else os.O_RDONLY | os.O_NONBLOCK
+                | os.O_NOCTTY)
+            try:
+                new = os.open(part, flags, dir_fd=fd)
+            except FileNotFoundError:
+                if make_directory is None or not as_dir:
+                    if last:
+                        raise
+                    raise PathRefused(f"{part!r} does not exist") from None
+                try:
+                    make_directory(fd, part)
+                except FileExistsError:
+                    pass  # made by someone else meanwhile: checked like any other
+                except OSError as err:
+                    raise PathRefused(f"cannot create {part!r}: {err.strerror}") from err
+                parts.insert(0, part)
+                continue
+            except OSError as err:
+                if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    if last:
+                        raise
+                    raise PathRefused(f"cannot open {part!r}: {err.strerror}") from err
+                st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISLNK(st.st_mode):
+                    raise PathRefused(f"{part!r} is not a directory") from err
+                if not _trusted_owner(st.st_uid):
+                    raise PathRefused(f"{part!r} is a symbolic link owned by uid {st.st_uid}: "
+                                      "not followed") from err
+                hops += 1
+                if hops > _MAX_LINK_HOPS:
+                    raise PathRefused("too many symbolic links") from err
+                target = os.readlink(part, dir_fd=fd)
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                parts[:0] = [p for p in target.split("/") if p]
+                continue
+            os.close(fd)
+            fd = new
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_user_file(path: str, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> bytes:
+    """The bytes of a regular file the user named, at most ``max_bytes``.
+
+    Raises InputFileError with one line naming ``what`` and the path.
+    """
+    fd = open_user_file(path, what)
+    try:
+        data = _read_capped(fd, max_bytes)
+    except OSError as err:
+        raise InputFileError(f"{what} {path}: cannot read: {err.strerror}") from err
+    finally:
+        os.close(fd)
+    if data is None:
+        raise InputFileError(f"{what} {path}: larger than {max_bytes >> 20} MiB")
+    return data
+
+
+def open_user_file(path: str, what: str) -> int:
+    """A read-only fd of a regular file the user named (never blocks); InputFileError."""
+    try:
+        fd = walk(os.path.abspath(path), final_directory=False)
+    except FileNotFoundError:
+        raise InputFileError(f"{what} {path}: no such file") from None
+    except PathRefused as err:
+        raise InputFileError(f"{what} {path}: {err}") from err
+    except OSError as err:
+        raise InputFileError(f"{what} {path}: cannot open: {err.strerror}") from err
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise InputFileError(f"{what} {path}: {_file_kind(mode)}, not a regular file")
+    return fd
+
+
+def _read_capped(fd: int, max_bytes: int) -> bytes | None:
+    """Up to max_bytes from fd; None when there is more."""
+    chunks, total = [], 0
+    while total <= max_bytes:
+        chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return None if total > max_bytes else b"".join(chunks)
+
+
+# Runs in the child, as root until it has entered the job's root and working
+# folder, then as the job's user. -I -S: nothing from the environment or the
+# job's folders reaches this interpreter. Exit 0 with the bytes on stdout, or
+# non-zero with a short reason on stderr.
+_CHILD = r"""
+import errno, os, stat, sys
+path, cap, root_fd, cwd_fd, uid, gid = sys.argv[1], *map(int, sys.argv[2:7])
+groups = [int(g) for g in sys.argv[7].split(",") if g]
+try:
+    os.fchdir(root_fd)
+    os.chroot(".")
+    os.fchdir(cwd_fd)
+    os.close(root_fd)
+    os.close(cwd_fd)
+    os.setgroups(groups)
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a regular file")
+        sys.stderr.write(kind + ", not a regular file")
+        sys.exit(3)
+    data = b""
+    while len(data) <= cap:
+        chunk = os.read(fd, cap + 1 - len(data))
+        if not chunk:
+            break
+        data += chunk
+    if len(data) > cap:
+        sys.stderr.write("larger than %d MiB" % (cap >> 20))
+        sys.exit(4)
+    sys.stdout.buffer.write(data)
+except OSError as err:
+    if err.errno in (errno.ENOENT, errno.ENOTDIR):
+        sys.stderr.write(os.strerror(err.errno))
+        sys.exit(5)
+    if err.errno == errno.ELOOP:
+        sys.stderr.write("a symbolic link: not followed")
+    else:
+        sys.stderr.write(os.strerror(err.errno))
+    sys.exit(2)
+"""
+
+
+def job_credentials(pid: int) -> tuple[int, int, list[int]]:
+    """(filesystem uid, filesystem gid, supplementary groups) of a process.
+
+    Raises JobFileError when /proc/PID/status cannot be read.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = procfs.parse_status(f.read())
+    except OSError as err:
+        raise JobFileError(f"pid {pid}: cannot read its credentials: {err.strerror}") from err
+    if status.fs_uid is None or status.fs_gid is None:
+        raise JobFileError(f"pid {pid}: no Uid/Gid in /proc/{pid}/status")
+    return status.fs_uid, status.fs_gid, list(status.groups)
+
+
+def read_job_file(pid: int, path: str, max_bytes: int = MAX_CONFIG_BYTES,
+                  timeout_s: float = JOB_FILE_TIMEOUT_S) -> bytes:
+    """The bytes of a file process ``pid`` names, read with its credentials.
+
+    ``path`` is as the job sees it: absolute within its root, or relative to its
+    working folder. The last component must not be a symbolic link and must be
+    a regular file of at most ``max_bytes``. Raises JobFileError whose message
+    names the pid and path and why (never any of the file's content).
+    """
+    uid, gid, groups = job_credentials(pid)
+    shown = f"pid {pid}: {path}"
+    try:
+        root_fd = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise JobFileError(f"{shown}: cannot enter the job's root: {err.strerror}") from err
+    try:
+        cwd_fd = os.open(f"/proc/{pid}/cwd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        os.close(root_fd)
+        raise JobFileError(f"{shown}: cannot enter the job's folder: {err.strerror}") from err
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _CHILD, path, str(max_bytes), str(root_fd),
+             str(cwd_fd), str(uid), str(gid), ",".join(map(str, groups))],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(root_fd, cwd_fd), env={}, cwd="/")
+    except OSError as err:
+        raise JobFileError(f"{shown}: cannot start the reader: {err.strerror}") from err
+    finally:
+        os.close(root_fd)
+        os.close(cwd_fd)
+    try:
+        out, err_text = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise JobFileError(f"{shown}: not read within {timeout_s:g} s") from None
+    if child.returncode == 5:
+        raise JobFileMissing(f"{shown}: no such file")
+    if child.returncode != 0:
+        reason = err_text.decode("utf-8", "replace").strip()[:200] or f"exit {child.returncode}"
+        raise JobFileError(f"{shown}: as uid {uid}: {reason}")
+    return out
