@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 from typing import NoReturn
 
 
@@ -78,20 +77,3 @@ def int_list(text: str) -> list[int]:
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected non-negative integers, not {text!r}")
     return values
-
-
-def quiet_broken_pipe() -> None:
-    """After stdout's reader went away (``... | head``): no more writes, no traceback.
-
-    Python's documented way: point stdout at /dev/null so that the flush at
-    exit does not raise again.
-    """
-    import os
-
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
-    finally:
-        os.close(devnull)

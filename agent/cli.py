@@ -18,8 +18,14 @@ from perfmon.agent.argtypes import (
     pid,
     positive_float,
     positive_int,
-    quiet_broken_pipe,
     regex,
+)
+from perfmon.agent.console import (
+    PROG,
+    Output,
+    printable,
+    quiet_broken_pipe,
+    warn,
 )
 from perfmon.agent.eventlog import DEFAULT_PART_BYTES
 from perfmon.agent.flops_report import FLOPS_EPILOG, add_flops_arguments, flops_main
@@ -33,8 +39,6 @@ from perfmon.parsers.peak_tflops import DTYPES
 from perfmon.probes.pyspy import DEFAULT_RATE_HZ
 from rich.console import Console
 from rich.table import Table
-
-PROG = "perfmon-agent"
 
 ATTACH_EPILOG = """examples:
   sudo perfmon-agent attach --pid 12345 --model-config llama7b.yaml
@@ -221,71 +225,33 @@ def _attach(args: argparse.Namespace) -> int:
         max_log_entries=args.max_log_entries,
         event_log_part_bytes=args.event_log_part_mib << 20,
     )
-    out = _Output(console)
-    session = MonitorSession(options, lambda entry: out.print(progress_line(entry)), warn=_warn)
+    out = Output(console)
+    session = MonitorSession(options, lambda entry: out.print(progress_line(entry)), warn=warn)
     out.on_closed = lambda: session.stop("stdout_closed")
     out.print(f"Attaching to pid {args.pid}... Ctrl-C to end.")
     result = session.run()
     if args.json:
         out.write(json.dumps(result.summary, indent=2) + "\n")
     else:
-        out.table(result.summary, result.summary_path)
+        out.table(lambda: print_summary_table(out.console, result.summary, result.summary_path))
     if result.write_error is not None:
         raise result.write_error
     return 0
 
 
-def _warn(line: str) -> None:
-    print(f"{PROG}: warning: {line}", file=sys.stderr, flush=True)
-
-
-class _Output:
-    """The console, until its reader goes away (``attach ... | head``): then silence.
-
-    A closed stdout ends the session quietly (``on_closed``); the summary file
-    is still written.
-    """
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.closed = False
-        self.on_closed: Any = None
-
-    def _guard(self, action: Any) -> None:
-        if self.closed:
-            return
-        try:
-            action()
-            self.console.file.flush()
-        except BrokenPipeError:
-            self.closed = True
-            quiet_broken_pipe()
-            if self.on_closed is not None:
-                self.on_closed()
-
-    def print(self, text: str) -> None:
-        self._guard(lambda: self.console.print(text))
-
-    def write(self, text: str) -> None:
-        self._guard(lambda: sys.stdout.write(text))
-
-    def table(self, summary: dict[str, Any], path: Path) -> None:
-        self._guard(lambda: print_summary_table(self.console, summary, path))
-
-
 def _summarize(args: argparse.Namespace) -> int:
     rebuilt = rebuild_from_event_log(args.event_log)
     for line in rebuilt.warnings:
-        _warn(line)
+        warn(line)
     first = rebuilt.parts[0]
     stamp = first.name.removeprefix("perf_events_").removesuffix(".msgpack")
     output = args.output or first.with_name(f"perf_summary_{stamp}.json")
     write_user_file(output, json_bytes(rebuilt.summary))
-    out = _Output(Console(highlight=False))
+    out = Output(Console(highlight=False))
     if args.json:
         out.write(json.dumps(rebuilt.summary, indent=2) + "\n")
     else:
-        out.table(rebuilt.summary, output)
+        out.table(lambda: print_summary_table(out.console, rebuilt.summary, output))
     return 0
 
 
@@ -298,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except PerfmonError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {printable(str(err))}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         return 130

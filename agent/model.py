@@ -59,14 +59,20 @@ def _hf_fields(target: TargetProcess) -> tuple[dict[str, Any], str | None, list[
     """
     warnings: list[str] = []
     for location in hf_config_locations(target.cmdline):
-        candidate = location if location.endswith(".json") else f"{location}/config.json"
-        try:
-            data = read_job_file(target.pid, candidate)
-            return hf_config_to_fields(parse_hf_config(data, candidate)), location, warnings
-        except JobFileMissing:
-            continue  # a hub model name rather than a folder: nothing to read
-        except (JobFileError, ModelConfigError) as err:
-            warnings.append(f"config.json the job names not used: {err}")
+        # A folder holding config.json (the usual), or the config file itself.
+        candidates = [location] if location.endswith(".json") else [
+            f"{location.rstrip('/')}/config.json", location]
+        for candidate in candidates:
+            try:
+                data = read_job_file(target.pid, candidate)
+                return hf_config_to_fields(parse_hf_config(data, candidate)), location, warnings
+            except JobFileMissing as err:
+                if err.under_a_file:
+                    continue  # the location is a file: try it as the config itself
+                break  # a hub model name rather than a folder: nothing to read
+            except (JobFileError, ModelConfigError) as err:
+                warnings.append(f"config.json the job names not used: {err}")
+                break
     return {}, None, warnings
 
 
@@ -237,6 +243,13 @@ def _throughput_only(fields: dict[str, Any], world_size: int, peak_tflops: float
                       "seq_length": workload.seq_length}
 
 
+# WORLD_SIZE is the job's to set; beyond this it is not a world size.
+MAX_WORLD_SIZE = 10**7
+
+
 def _positive_int(value: str | None) -> int | None:
-    return int(value) if value and value.isdigit() and int(value) > 0 else None
+    if not value or not value.isdigit() or len(value) > 8:
+        return None
+    number = int(value)
+    return number if 0 < number <= MAX_WORLD_SIZE else None
 

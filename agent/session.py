@@ -108,7 +108,7 @@ def _session_facts(
         "pids": [t.pid for t in targets],
         "ranks": [t.rank for t in targets],
         "primary_pid": primary.pid,
-        "command_line": primary.cmdline,
+        "command_line": primary.shown_cmdline,
         "torch_library": primary.torch_library,
         "iteration_numbering": "counted from attach",
         "log_interval": options.log_interval,

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from perfmon.agent.argtypes import OneLineParser, pid, positive_float
+from perfmon.agent.console import printable
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.pyspy import Frame, ThreadStack
 from perfmon.parsers.stack_analysis import innermost_common_frame, main_thread
@@ -91,18 +92,20 @@ def _print_text(dumps: list[tuple[TargetProcess, list[ThreadStack]]], with_local
                 common: Frame | None) -> None:
     for target, threads in dumps:
         rank = "" if target.rank is None else f" rank {target.rank}"
-        print(f"Process {target.pid}{rank}: {' '.join(target.cmdline)}")
+        print(printable(f"Process {target.pid}{rank}: {' '.join(target.cmdline)}"))
         for t in threads:
             state = "active" if t.active else "idle"
-            print(f"  Thread {t.tid} ({state}): {t.thread_name or '?'}, most recent call last")
+            print(printable(f"  Thread {t.tid} ({state}): {t.thread_name or '?'}, "
+                            "most recent call last"))
             for i in reversed(range(len(t.frames))):
-                print(f"    {_frame_text(t.frames[i])}")
+                print(printable(f"    {_frame_text(t.frames[i])}"))
                 if with_locals and i < len(t.frame_locals):
                     for name, value in t.frame_locals[i].items():
-                        print(f"        {name} = {value}")
+                        print(printable(f"        {name} = {value}"))
         print()
     if common is not None:
-        print(f"Innermost frame shared by all ranks' main threads: {_frame_text(common)}")
+        print(printable(
+            f"Innermost frame shared by all ranks' main threads: {_frame_text(common)}"))
 
 
 def stacks_main(args: argparse.Namespace) -> int:
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return stacks_main(args)
     except PerfmonError as err:
-        print(f"perfmon-agent: error: {err}", file=sys.stderr)
+        print(f"perfmon-agent: error: {printable(str(err))}", file=sys.stderr)
         return err.exit_code
 
 

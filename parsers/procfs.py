@@ -27,6 +27,14 @@ class MappedFile:
     start_address: int
     offset_bytes: int
     executable: bool
+    end_address: int = 0
+    device: tuple[int, int] = (0, 0)  # (major, minor) of the file's filesystem
+    inode: int = 0
+
+    @property
+    def range_name(self) -> str:
+        """The mapping's name under /proc/PID/map_files/ ("start-end", lowercase hex)."""
+        return f"{self.start_address:x}-{self.end_address:x}"
 
 
 def parse_maps(text: str) -> list[MappedFile]:
@@ -36,21 +44,38 @@ def parse_maps(text: str) -> list[MappedFile]:
         parts = line.split(maxsplit=5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue
-        start = int(parts[0].split("-", 1)[0], 16)
+        start, _, end = parts[0].partition("-")
+        major, _, minor = parts[3].partition(":")
         path = parts[5]
         # A file deleted or replaced since it was mapped (e.g. a reinstall under a
         # running job) shows " (deleted)"; the mapping is still probe-able through
         # /proc/PID/map_files but not through its path, so keep the marker visible.
-        mappings.append(MappedFile(path, start, int(parts[2], 16), "x" in parts[1]))
+        mappings.append(MappedFile(path, int(start, 16), int(parts[2], 16), "x" in parts[1],
+                                   int(end, 16), (int(major, 16), int(minor or "0", 16)),
+                                   int(parts[4])))
     return mappings
+
+
+def mapped_file(mappings: Iterable[MappedFile], basename_prefix: str) -> MappedFile | None:
+    """The first mapping of a file whose basename starts with the prefix (e.g. 'libtorch_cpu')."""
+    for m in mappings:
+        if m.path.rsplit("/", 1)[-1].startswith(basename_prefix):
+            return m
+    return None
 
 
 def mapped_library(mappings: Iterable[MappedFile], basename_prefix: str) -> str | None:
     """Path of the first mapped file whose basename starts with the prefix (e.g. 'libtorch_cpu')."""
-    for m in mappings:
-        if m.path.rsplit("/", 1)[-1].startswith(basename_prefix):
-            return m.path
-    return None
+    found = mapped_file(mappings, basename_prefix)
+    return found.path if found else None
+
+
+def address_span(mappings: Iterable[MappedFile], path: str) -> tuple[int, int] | None:
+    """Lowest start and highest end address of the mappings of one file."""
+    spans = [(m.start_address, m.end_address) for m in mappings if m.path == path]
+    if not spans:
+        return None
+    return min(lo for lo, _ in spans), max(hi for _, hi in spans)
 
 
 def parse_environ(data: bytes, wanted: Iterable[str]) -> dict[str, str]:

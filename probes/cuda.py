@@ -78,6 +78,7 @@ from perfmon.probes.errors import (
     PrivilegeError,
     SymbolNotFound,
 )
+from perfmon.probes.files import MappedLibrary, PathRefused
 from perfmon.probes.procfs import TargetProcess
 from perfmon.probes.sampler import Sampler, monotonic_ns
 from perfmon.probes.uprobes import (
@@ -85,6 +86,7 @@ from perfmon.probes.uprobes import (
     close_bpf,
     compile_step_program,
     find_torch_symbols,
+    open_torch_library,
 )
 
 # Collectives: the key used in CudaCounters.nccl_calls/nccl_bytes (and in the
@@ -241,7 +243,7 @@ class _TargetLibraries:
     """What one target has loaded: library name -> paths as the target sees them."""
 
     target: TargetProcess
-    paths: dict[str, list[str]] = field(default_factory=dict)
+    paths: dict[str, list[procfs.MappedFile]] = field(default_factory=dict)  # first mappings
     # Executable address ranges of the libraries that forward launches.
     forwarding_text: list[tuple[int, int]] = field(default_factory=list)
 
@@ -260,50 +262,32 @@ def _read_maps(target: TargetProcess) -> str:
         ) from err
 
 
-def _address_ranges(maps_text: str) -> dict[str, tuple[int, int]]:
-    """Lowest start and highest end address of each mapped file.
-
-    (parsers.procfs.MappedFile has no end address yet; only the two columns
-    needed here are read.)
-    """
-    ranges: dict[str, tuple[int, int]] = {}
-    for line in maps_text.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) < 6 or not parts[5].startswith("/"):
-            continue
-        lo_text, _, hi_text = parts[0].partition("-")
-        lo, hi = int(lo_text, 16), int(hi_text, 16)
-        old = ranges.get(parts[5])
-        ranges[parts[5]] = (min(lo, old[0]), max(hi, old[1])) if old else (lo, hi)
-    return ranges
-
-
 def _find_libraries(target: TargetProcess) -> _TargetLibraries:
-    text = _read_maps(target)
+    mappings = procfs.parse_maps(_read_maps(target))
     found = _TargetLibraries(target)
-    ranges = _address_ranges(text)
-    for mapping in procfs.parse_maps(text):
+    for mapping in mappings:
         basename = mapping.path.rsplit("/", 1)[-1]
         for lib in LIBRARIES:
             if not basename.startswith(lib.basename_prefix):
                 continue
             paths = found.paths.setdefault(lib.name, [])
-            if mapping.path in paths:
+            if any(m.path == mapping.path for m in paths):
                 continue
-            paths.append(mapping.path)
-            if lib.forwards_launches and mapping.path in ranges:
+            paths.append(mapping)
+            span = procfs.address_span(mappings, mapping.path)
+            if lib.forwards_launches and span is not None:
                 # The whole span of the library: its non-code parts hold no return addresses.
-                found.forwarding_text.append(ranges[mapping.path])
+                found.forwarding_text.append(span)
     return found
 
 
-def _exact_symbols(host_path: str, names: Iterable[str]) -> dict[str, int]:
+def _exact_symbols(library: MappedLibrary, names: Iterable[str]) -> dict[str, int]:
     """Exported function name -> address, for the names present; one name per address.
 
-    Raises OSError or ElfError when the file cannot be read as ELF64.
+    Raises OSError, ValueError or ElfError when the file cannot be read as ELF64.
     """
     names = list(names)
-    with open(host_path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as buf:
+    with mmap.mmap(library.fd, 0, prot=mmap.PROT_READ) as buf:
         found = find_function_symbols(buf, names)
     addresses = {n: s.address for n in names for s in found[n] if s.name == n}
     by_name: dict[str, int] = {}
@@ -365,6 +349,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         self._bpf: Any = None
         self._pids: list[int] = []
         self._pending_steps: list[CudaCounters] = []
+        self._libraries: list[MappedLibrary] = []  # held open while probed
 
     def _start(self) -> None:
         loaded = [_find_libraries(t) for t in self.targets]
@@ -405,33 +390,36 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             self._pids = [f.target.pid for f in probed if plans[f.target.pid]]
             for found in probed:
                 if plans[found.target.pid]:
-                    self._attach_steps(found.target, steps[found.target.pid])
+                    self._attach_steps(found.target, *steps[found.target.pid])
             self._bpf[b"step_events"].open_ring_buffer(self._on_step)
         except Exception:
             self._close()
             raise
         self.available = True
 
-    def _step_symbols(self, target: TargetProcess) -> list[str]:
-        """The record_function entry points of a target's libtorch_cpu ([] with a warning)."""
-        if not target.torch_library:
-            self.warnings.append(
-                f"pid {target.pid} ({target.name}): libtorch_cpu is not loaded: "
-                "no counter snapshots at Optimizer.step")
-            return []
+    def _step_symbols(self, target: TargetProcess) -> tuple[MappedLibrary | None, list[str]]:
+        """A target's libtorch_cpu and its record_function entry points ([] with a warning)."""
         try:
-            record, _engine = find_torch_symbols(target)
+            library = open_torch_library(target)
         except SymbolNotFound as err:
             self.warnings.append(f"{err}: no counter snapshots at Optimizer.step")
-            return []
-        return record
+            return None, []
+        self._libraries.append(library)
+        try:
+            record, _engine = find_torch_symbols(target, library)
+        except SymbolNotFound as err:
+            self.warnings.append(f"{err}: no counter snapshots at Optimizer.step")
+            return None, []
+        return library, record
 
-    def _attach_steps(self, target: TargetProcess, symbols: list[str]) -> None:
+    def _attach_steps(self, target: TargetProcess, library: MappedLibrary | None,
+                      symbols: list[str]) -> None:
         """Snapshot a target's counters at each Optimizer.step entry (warns when it cannot)."""
         for sym in symbols:
+            assert library is not None
             try:
                 self._bpf.attach_uprobe(
-                    name=target.torch_library_host_path.encode(), sym=sym.encode(),
+                    name=library.probe_path.encode(), sym=sym.encode(),
                     fn_name=b"on_record_function_enter", pid=target.pid)
             except Exception as err:  # bcc raises bare Exception on attach failure
                 self.warnings.append(
@@ -442,21 +430,24 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             if sym not in names:
                 names.append(sym)
 
-    def _plan(self, found: _TargetLibraries) -> list[tuple[str, str, str, str]]:
-        """(path as the target sees it, symbol, BPF program, kind) to attach for one target."""
+    def _plan(self, found: _TargetLibraries) -> list[tuple[str, MappedLibrary, str, str, str]]:
+        """(path as the target sees it, the library held open, symbol, BPF program, kind)
+        to attach for one target."""
         t = found.target
         plan = []
         for lib in LIBRARIES:
-            for path in found.paths.get(lib.name, []):
-                if path.endswith(" (deleted)"):
-                    self.warnings.append(
-                        f"pid {t.pid} ({t.name}): {path} was replaced on disk since it was "
-                        "loaded: not probed"
-                    )
-                    continue
+            for mapping in found.paths.get(lib.name, []):
+                path = mapping.path
                 wanted = {sym: (prog, kind) for sym, prog, kind in lib.probes}
                 try:
-                    symbols = _exact_symbols(f"/proc/{t.pid}/root{path}", wanted)
+                    library = MappedLibrary(t.pid, mapping)
+                except (OSError, PathRefused) as err:
+                    self.warnings.append(f"pid {t.pid} ({t.name}): cannot open {path}: {err}: "
+                                         "not probed")
+                    continue
+                self._libraries.append(library)
+                try:
+                    symbols = _exact_symbols(library, wanted)
                 except Exception as err:  # OSError, ElfError, or bcc's bare Exception
                     self.warnings.append(
                         f"pid {t.pid} ({t.name}): cannot read symbols of {path}: {err}")
@@ -466,7 +457,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                         f"pid {t.pid} ({t.name}): {path} exports none of "
                         f"{', '.join(wanted)}: {lib.measures} not counted")
                 for sym in symbols:
-                    plan.append((path, sym, *wanted[sym]))
+                    plan.append((path, library, sym, *wanted[sym]))
         return plan
 
     def _compile(self) -> None:
@@ -498,15 +489,16 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                 state.text_lo[i], state.text_hi[i] = lo, hi
             pids[ctypes.c_uint(t.pid)] = state
 
-    def _attach(self, target: TargetProcess, plan: list[tuple[str, str, str, str]]) -> list[str]:
+    def _attach(self, target: TargetProcess,
+                plan: list[tuple[str, MappedLibrary, str, str, str]]) -> list[str]:
         """Attach one target's probes; returns why some could not be (also in ``warnings``).
 
         One refused function (the kernel rejects a uprobe on some first
         instructions, e.g. LOCK-prefixed ones) leaves the others measuring.
         """
         failures = []
-        for path, sym, prog, kind in plan:
-            host = f"/proc/{target.pid}/root{path}".encode()
+        for path, library, sym, prog, kind in plan:
+            host = library.probe_path.encode()
             try:
                 # The return probe first: a call entered between the two attaches
                 # then has no entry recorded (ignored) rather than an entry whose
@@ -552,7 +544,9 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         self._pending_steps.append(_counters(ev.t_mono_ns, ev.tgid, ev.counter, at_step=True))
 
     def _close(self) -> None:
-        if self._bpf is None:
-            return
-        close_bpf(self._bpf)
-        self._bpf = None
+        if self._bpf is not None:
+            close_bpf(self._bpf)
+            self._bpf = None
+        for library in self._libraries:
+            library.close()
+        self._libraries = []

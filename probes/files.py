@@ -54,7 +54,14 @@ class JobFileError(PerfmonError):
 
 
 class JobFileMissing(JobFileError):
-    """The file the job names does not exist (e.g. a hub model name, not a folder)."""
+    """The file the job names does not exist (e.g. a hub model name, not a folder).
+
+    ``under_a_file``: a component of the path is a file, not a folder.
+    """
+
+    def __init__(self, message: str, under_a_file: bool = False) -> None:
+        super().__init__(message)
+        self.under_a_file = under_a_file
 
 
 class PathRefused(Exception):
@@ -227,13 +234,60 @@ try:
 except OSError as err:
     if err.errno in (errno.ENOENT, errno.ENOTDIR):
         sys.stderr.write(os.strerror(err.errno))
-        sys.exit(5)
+        sys.exit(5 if err.errno == errno.ENOENT else 6)
     if err.errno == errno.ELOOP:
         sys.stderr.write("a symbolic link: not followed")
     else:
         sys.stderr.write(os.strerror(err.errno))
     sys.exit(2)
 """
+
+
+def open_mapped_file(pid: int, mapping: procfs.MappedFile) -> int:
+    """A read-only fd of the very file process ``pid`` mapped (a library), never blocking.
+
+    Through /proc/PID/map_files (needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE),
+    which reaches the mapped inode whatever its path holds now; else through the
+    path under /proc/PID/root, accepted only when it is still the same regular
+    file (device and inode as in /proc/PID/maps), so a job cannot swap a FIFO,
+    a device or another file in under the agent. Raises PathRefused or OSError.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(f"/proc/{pid}/map_files/{mapping.range_name}", flags)
+        verify_inode = False
+    except PermissionError:
+        path = mapping.path.removesuffix(" (deleted)")
+        fd = os.open(f"/proc/{pid}/root{path}", flags)
+        verify_inode = True
+    st = os.fstat(fd)
+    same = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) == (*mapping.device,
+                                                                      mapping.inode)
+    if not stat.S_ISREG(st.st_mode) or (verify_inode and not same):
+        os.close(fd)
+        raise PathRefused(f"{mapping.path} is no longer the file pid {pid} mapped")
+    return fd
+
+
+class MappedLibrary:
+    """A library a process mapped, held open by the agent while it probes it.
+
+    ``probe_path`` (``/proc/self/fd/N``) names exactly that file for bcc and the
+    kernel's uprobe attach, so neither opens whatever the path holds now.
+    """
+
+    def __init__(self, pid: int, mapping: procfs.MappedFile) -> None:
+        self.mapping = mapping
+        self.fd = open_mapped_file(pid, mapping)
+
+    @property
+    def probe_path(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def job_credentials(pid: int) -> tuple[int, int, list[int]]:
@@ -288,8 +342,8 @@ def read_job_file(pid: int, path: str, max_bytes: int = MAX_CONFIG_BYTES,
         child.kill()
         child.communicate()
         raise JobFileError(f"{shown}: not read within {timeout_s:g} s") from None
-    if child.returncode == 5:
-        raise JobFileMissing(f"{shown}: no such file")
+    if child.returncode in (5, 6):
+        raise JobFileMissing(f"{shown}: no such file", under_a_file=child.returncode == 6)
     if child.returncode != 0:
         reason = err_text.decode("utf-8", "replace").strip()[:200] or f"exit {child.returncode}"
         raise JobFileError(f"{shown}: as uid {uid}: {reason}")

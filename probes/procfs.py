@@ -34,23 +34,46 @@ class TargetProcess:
     environ: dict[str, str]
     torch_library: str  # path as the target sees it (inside its mount namespace)
     create_time: float
-
-    @property
-    def torch_library_host_path(self) -> str:
-        """The library reached through /proc/PID/root, so containers work too."""
-        return f"/proc/{self.pid}/root{self.torch_library}"
+    torch_mapping: procfs.MappedFile | None = None  # its first mapping (for map_files)
 
     @property
     def rank(self) -> int | None:
         value = self.environ.get("RANK")
-        return int(value) if value and value.isdigit() else None
+        return int(value) if value and value.isdigit() and len(value) < 10 else None
+
+    @property
+    def shown_cmdline(self) -> list[str]:
+        """The command line as the summary keeps it: each argument and the whole bounded."""
+        shown: list[str] = []
+        total = 0
+        for arg in self.cmdline:
+            if total >= CMDLINE_TOTAL_CHARS:
+                shown.append(f"... ({len(self.cmdline) - len(shown)} more arguments)")
+                break
+            kept = arg if len(arg) <= CMDLINE_ARG_CHARS else (
+                arg[:CMDLINE_ARG_CHARS] + f"... ({len(arg)} characters)")
+            shown.append(kept)
+            total += len(kept)
+        return shown
+
+
+# Upper bounds on what is read from a target's /proc files: a job controls the
+# size of its argv and environment (up to a quarter of its stack limit, which
+# may be unlimited) and, within vm.max_map_count, of its maps.
+_READ_LIMITS = {"cmdline": 1 << 20, "environ": 4 << 20, "maps": 64 << 20, "status": 64 << 10}
+# What of a command line is kept in the summary (each argument, and in all).
+CMDLINE_ARG_CHARS = 4096
+CMDLINE_TOTAL_CHARS = 65536
+# Descendants of a launcher pid that are looked at: far above any node's ranks.
+MAX_DESCENDANTS = 4096
 
 
 def _read(pid: int, name: str, binary: bool = False) -> str | bytes:
     path = f"/proc/{pid}/{name}"
     try:
-        with open(path, "rb" if binary else "r") as f:
-            return f.read()
+        with open(path, "rb") as f:
+            data = f.read(_READ_LIMITS[name])
+            return data if binary else data.decode("utf-8", "replace")
     except FileNotFoundError as err:
         raise NoSuchProcess(f"pid {pid}: no such process") from err
     except PermissionError as err:
@@ -89,8 +112,8 @@ def inspect_process(pid: int) -> TargetProcess:
     )
     if not is_python:
         raise UnsuitableTarget(f"pid {pid} ({name}): not a Python process")
-    torch_library = procfs.mapped_library(mappings, TORCH_LIBRARY_PREFIX)
-    if torch_library is None:
+    torch_mapping = procfs.mapped_file(mappings, TORCH_LIBRARY_PREFIX)
+    if torch_mapping is None:
         raise UnsuitableTarget(
             f"pid {pid} ({name}): PyTorch is not loaded "
             f"(no {TORCH_LIBRARY_PREFIX}.so in /proc/{pid}/maps)"
@@ -98,7 +121,8 @@ def inspect_process(pid: int) -> TargetProcess:
     environ = procfs.parse_environ(
         _read(pid, "environ", binary=True), ENVIRON_KEYS  # type: ignore[arg-type]
     )
-    return TargetProcess(pid, name, cmdline, environ, torch_library, create_time)
+    return TargetProcess(pid, name, cmdline, environ, torch_mapping.path, create_time,
+                         torch_mapping)
 
 
 def resolve_targets(pid: int) -> list[TargetProcess]:
@@ -117,6 +141,7 @@ def resolve_targets(pid: int) -> list[TargetProcess]:
         raise NoSuchProcess(f"pid {pid}: no such process") from err
     except psutil.AccessDenied as err:
         raise PrivilegeError(f"pid {pid}: access denied: run as root") from err
+    children = children[:MAX_DESCENDANTS]
     if "RANK" not in _rank_environ(pid):
         with_rank = {c.pid for c in children if "RANK" in _rank_environ(c.pid)}
         ranks = _topmost(children, with_rank)
@@ -155,7 +180,7 @@ def _ppid(pid: int) -> int | None:
 def _rank_environ(pid: int) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            return procfs.parse_environ(f.read(), ("RANK",))
+            return procfs.parse_environ(f.read(_READ_LIMITS["environ"]), ("RANK",))
     except OSError:
         return {}
 

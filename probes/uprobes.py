@@ -37,6 +37,7 @@ from perfmon.parsers.procfs import (
     missing_capabilities,
 )
 from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError, SymbolNotFound
+from perfmon.probes.files import MappedLibrary, PathRefused
 from perfmon.probes.procfs import TargetProcess, agent_capabilities
 from perfmon.probes.sampler import Sampler
 
@@ -116,17 +117,29 @@ def check_ebpf_prerequisites() -> None:
         )
 
 
-def find_torch_symbols(target: TargetProcess) -> tuple[list[str], list[str]]:
+def open_torch_library(target: TargetProcess) -> MappedLibrary:
+    """The target's libtorch_cpu as it mapped it, held open; SymbolNotFound when it cannot be."""
+    if target.torch_mapping is None:
+        raise SymbolNotFound(f"pid {target.pid} ({target.name}): libtorch_cpu is not loaded")
+    try:
+        return MappedLibrary(target.pid, target.torch_mapping)
+    except (OSError, PathRefused) as err:
+        raise SymbolNotFound(
+            f"pid {target.pid} ({target.name}): cannot open {target.torch_library}: {err}"
+        ) from err
+
+
+def find_torch_symbols(target: TargetProcess, library: MappedLibrary
+                       ) -> tuple[list[str], list[str]]:
     """(record_function entry symbols, Engine::execute symbols) in the target's libtorch_cpu.
 
     Raises SymbolNotFound when the library cannot be read or has no
     record_function entry point; Engine::execute may be absent ([]).
     """
-    path = target.torch_library_host_path
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as buf:
+        with mmap.mmap(library.fd, 0, prot=mmap.PROT_READ) as buf:
             found = find_function_symbols(buf, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL))
-    except (OSError, ElfError) as err:
+    except (OSError, ValueError, ElfError) as err:
         raise SymbolNotFound(
             f"pid {target.pid} ({target.name}): cannot read symbols of {target.torch_library}: "
             f"{err}"
@@ -211,12 +224,16 @@ class MarkerProbe(Sampler[MarkerEvent]):
         self.warnings: list[str] = []
         self._bpf: Any = None
         self._pending: list[MarkerEvent] = []
+        self._libraries: dict[int, MappedLibrary] = {}
 
     def _start(self) -> None:
         check_ebpf_prerequisites()
-        symbols = {t.pid: find_torch_symbols(t) for t in self.targets}
-        self._bpf = compile_step_program("iterations.bpf.c", [f"-DNAME_LEN={_NAME_LEN}"])
         try:
+            symbols = {}
+            for t in self.targets:
+                self._libraries[t.pid] = open_torch_library(t)
+                symbols[t.pid] = find_torch_symbols(t, self._libraries[t.pid])
+            self._bpf = compile_step_program("iterations.bpf.c", [f"-DNAME_LEN={_NAME_LEN}"])
             for target in self.targets:
                 self._attach(target, *symbols[target.pid])
         except Exception:
@@ -225,7 +242,7 @@ class MarkerProbe(Sampler[MarkerEvent]):
         self._bpf[b"events"].open_ring_buffer(self._on_event)
 
     def _attach(self, target: TargetProcess, record: list[str], engine: list[str]) -> None:
-        lib = target.torch_library_host_path.encode()
+        lib = self._libraries[target.pid].probe_path.encode()
         attached = 0
         for sym in record:
             try:
@@ -273,6 +290,9 @@ class MarkerProbe(Sampler[MarkerEvent]):
         if self._bpf is not None:
             close_bpf(self._bpf)
             self._bpf = None
+        for library in self._libraries.values():
+            library.close()
+        self._libraries = {}
 
 
 def close_bpf(bpf: Any) -> None:
