@@ -65,7 +65,11 @@ def _hf_fields(target: TargetProcess) -> tuple[dict[str, Any], str | None, list[
         for candidate in candidates:
             try:
                 data = read_job_file(target.pid, candidate)
-                return hf_config_to_fields(parse_hf_config(data, candidate)), location, warnings
+                fields = hf_config_to_fields(parse_hf_config(data, candidate))
+                # Checked field by field here (redacted: the job's file), so that a
+                # config.json with impossible values is passed over like an unreadable one.
+                model_fields_from_mapping(fields, f"pid {target.pid}: {candidate}", redact=True)
+                return fields, location, warnings
             except JobFileMissing as err:
                 if err.under_a_file:
                     continue  # the location is a file: try it as the config itself

@@ -73,19 +73,22 @@ def json_bytes(document: Any) -> bytes:
     return (json.dumps(finite(document), indent=2, allow_nan=False) + "\n").encode()
 
 
-def _walk_dir(path: Path, create: bool) -> int:
-    """An fd of the folder ``path``; missing folders made 0750 when ``create``."""
+def _walk_dir(path: Path, create: bool, what: str = "output dir") -> int:
+    """An fd of the folder ``path``; missing folders made 0750 when ``create``.
+
+    Raises OutputDirError whose message starts with ``what``.
+    """
     def make(parent_fd: int, name: str) -> None:
         os.mkdir(name, DIR_MODE, dir_fd=parent_fd)
 
     try:
         return walk(os.path.abspath(path), make_directory=make if create else None)
     except PathRefused as err:
-        raise OutputDirError(f"output dir {path}: {err}") from err
+        raise OutputDirError(f"{what} {path}: {err}") from err
     except FileNotFoundError:
-        raise OutputDirError(f"output dir {path}: does not exist") from None
+        raise OutputDirError(f"{what} {path}: does not exist") from None
     except OSError as err:
-        raise OutputDirError(f"output dir {path}: cannot open: {err.strerror}") from err
+        raise OutputDirError(f"{what} {path}: cannot open: {err.strerror}") from err
 
 
 class OutputDir:
@@ -223,7 +226,7 @@ def write_user_file(path: Path, data: bytes) -> None:
     """
     if not path.name:
         raise OutputDirError(f"output {path}: names a folder, not a file")
-    folder = OutputDir(path.parent, _walk_dir(path.parent, create=False))
+    folder = OutputDir(path.parent, _walk_dir(path.parent, False, f"output {path}: folder"))
     try:
         try:
             mode = os.stat(path.name, dir_fd=folder.fd, follow_symlinks=False).st_mode

@@ -222,6 +222,16 @@ class MonitorSession:
     def run(self) -> SessionResult:
         opts = self.options
         explicit = explicit_model_fields(opts.model_config, opts.model_preset)
+        # The output dir is checked (owner, mode, writable) before any process is read.
+        out = OutputDir.open(opts.output_dir, allow_shared=opts.allow_shared_output_dir)
+        try:
+            return self._prepare(out, explicit)
+        finally:
+            out.close()
+
+    def _prepare(self, out: OutputDir, explicit: list[tuple[str, dict[str, Any]]]
+                 ) -> SessionResult:
+        opts = self.options
         source = self._uprobe_host_ready()
         targets = resolve_targets(opts.pid)
         primary = targets[0]
@@ -241,15 +251,12 @@ class MonitorSession:
         gpu.info.update(dtype=opts.dtype, peak_tflops=peak,
                         peak_tflops_from="--peak-tflops" if opts.peak_tflops else "device table")
         workload, model_info = build_workload(model, primary, peak)
-        # Checked (owner, mode, writable) before anything attaches.
-        out = OutputDir.open(opts.output_dir, allow_shared=opts.allow_shared_output_dir)
         try:
             return self._monitor(source=source, targets=targets, out=out, gpu=gpu,
                                  first_gpu_records=first_gpu_records, health=health,
                                  workload=workload, model={**model.description, **model_info})
         finally:
             gpu.close()
-            out.close()
 
     def _monitor(self, *, source: str, targets: list[TargetProcess], out: OutputDir,
                  gpu: GpuMonitor, first_gpu_records: list[dict[str, Any]],

@@ -94,7 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stall-at", type=int, default=0, help="stall forever at this iteration")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
-    return p.parse_args(argv)
+    # Flags it does not use are ignored, as launchers often pass more than a
+    # script reads (e.g. --config_name, --global-batch-size for the agent to find).
+    return p.parse_known_args(argv)[0]
 
 
 def apply_hf_config(args: argparse.Namespace) -> None:
