@@ -213,7 +213,7 @@ def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -
 
 def _attach(args: argparse.Namespace) -> int:
     # With --json, stdout carries only the summary; the progress goes to stderr.
-    console = Console(stderr=args.json, highlight=False)
+    out = Output(stderr=args.json)
     options = AttachOptions(
         pid=args.pid, model_config=args.model_config, model_preset=args.model_preset,
         output_dir=args.output_dir, log_interval=args.log_interval, duration_s=args.duration,
@@ -225,7 +225,6 @@ def _attach(args: argparse.Namespace) -> int:
         max_log_entries=args.max_log_entries,
         event_log_part_bytes=args.event_log_part_mib << 20,
     )
-    out = Output(console)
     session = MonitorSession(options, lambda entry: out.print(progress_line(entry)), warn=warn)
     out.on_closed = lambda: session.stop("stdout_closed")
     out.print(f"Attaching to pid {args.pid}... Ctrl-C to end.")
@@ -247,7 +246,7 @@ def _summarize(args: argparse.Namespace) -> int:
     stamp = first.name.removeprefix("perf_events_").removesuffix(".msgpack")
     output = args.output or first.with_name(f"perf_summary_{stamp}.json")
     write_user_file(output, json_bytes(rebuilt.summary))
-    out = Output(Console(highlight=False))
+    out = Output()
     if args.json:
         out.write(json.dumps(rebuilt.summary, indent=2) + "\n")
     else:

@@ -45,6 +45,14 @@ def quiet_broken_pipe() -> None:
         os.close(devnull)
 
 
+class PipeConsole(Console):
+    """A rich console that reports a closed stdout (rich itself exits with status 1)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 class Output:
     """stdout through a rich console, until its reader goes away; then silence.
 
@@ -52,8 +60,8 @@ class Output:
     and still writes its summary file).
     """
 
-    def __init__(self, console: Console) -> None:
-        self.console = console
+    def __init__(self, *, stderr: bool = False) -> None:
+        self.console = PipeConsole(stderr=stderr, highlight=False)
         self.closed = False
         self.on_closed: Callable[[], None] | None = None
 

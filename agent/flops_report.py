@@ -12,13 +12,13 @@ import shlex
 from typing import Any
 
 from perfmon.agent.argtypes import positive_int
+from perfmon.agent.console import PipeConsole
 from perfmon.agent.model import read_model_config_file
 from perfmon.parsers.errors import ModelConfigError
 from perfmon.parsers.flops import model_flops_per_iteration
 from perfmon.parsers.megatron_args import cmdline_batch_fields, parse_megatron_cmdline
 from perfmon.parsers.model_config import merge_model_fields, model_config_from_mapping
 from perfmon.parsers.presets import preset_fields
-from rich.console import Console
 from rich.table import Table
 
 FLOPS_EPILOG = """examples:
@@ -99,7 +99,7 @@ def flops_main(args: argparse.Namespace) -> int:
         hw = report["hardware_flops_per_iteration"]
         table.add_row(f"hardware ({report['recompute_granularity']} recompute)",
                       f"{hw:.4e}", f"{hw / tokens:.4e}", f"{hw / total:.1%}")
-    console = Console(highlight=False)
+    console = PipeConsole(highlight=False)
     console.print(table)
     console.print(f"global batch {report['global_batch_size']} x seq {report['seq_length']} = "
                   f"{tokens:,} tokens per iteration")

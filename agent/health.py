@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from perfmon.agent.argtypes import int_list, non_negative_float
+from perfmon.agent.console import PipeConsole
 from perfmon.parsers.errors import PerfmonError
 from perfmon.probes.nvml import (
     GpuHealthReadings,
@@ -31,7 +32,6 @@ from perfmon.probes.nvml import (
     read_gpu_health,
 )
 from perfmon.probes.sampler import monotonic_ns
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -487,7 +487,7 @@ def _print_table(report: HealthReport) -> None:
             table.add_row(escape(label), check.name, f"[{style}]{check.status}[/]",
                           escape(check.reason))
         table.add_section()
-    Console().print(table)
+    PipeConsole().print(table)
 
 
 if __name__ == "__main__":

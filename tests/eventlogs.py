@@ -60,6 +60,71 @@ def records(iterations: int, *, log_interval: int = 10,
                "reason": "duration"}
 
 
+NCCL_KEYS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send",
+             "recv", "all_to_all", "gather", "scatter")
+
+
+def _gpu(index: int, t: int, pids: list[int]) -> dict[str, Any]:
+    """One GPU of a ``gpu`` record, with every field NVML sampling gives on an H100."""
+    return {
+        "index": index, "t_mono_ns": t, "late_ns": 12_000, "uuid": f"GPU-{index:08d}-aaaa",
+        "name": "NVIDIA H100 80GB HBM3", "utilization_gpu_pct": 97, "utilization_memory_pct": 41,
+        "memory_used_bytes": 70 << 30, "memory_total_bytes": 80 << 30, "power_w": 612.5,
+        "power_limit_w": 700.0, "sm_clock_mhz": 1755, "mem_clock_mhz": 2619,
+        "temperature_c": 63, "throttle_reasons": ["sw_power_cap"],
+        "process_memory_bytes": {pids[index % len(pids)]: 68 << 30}, "process_count": 1,
+        "gpm": {"sm_occupancy_pct": 61.2, "tensor_active_pct": 48.9, "dram_bw_util_pct": 71.0},
+        "lost": False, "error": None,
+    }
+
+
+def node_records(iterations: int, *, ranks: int = 8, step_ns: int = 500_000_000,
+                 log_interval: int = 10) -> Iterator[dict[str, Any]]:
+    """A GPU node's session: ``ranks`` ranks (all probed, the first primary), NVML at
+    1 Hz for one GPU per rank, memory per rank at 1 Hz, CUDA snapshots at every step
+    of every rank, and py-spy phase spans of the primary."""
+    pids = [PID + r for r in range(ranks)]
+    facts = session_facts(log_interval)
+    facts.update(pids=pids, ranks=list(range(ranks)), gpu={"available": True},
+                 cuda={"available": True})
+    yield {"type": "session_start", "t_mono_ns": START_NS, "session": facts}
+    counters = {"kernel_launches": 0, "sync_wait_ns": 0, "graph_launches": 0}
+    next_second = START_NS
+    for i in range(iterations):
+        t = START_NS + i * step_ns
+        while next_second <= t:
+            yield {"type": "gpu", "t_mono_ns": next_second,
+                   "gpus": [_gpu(g, next_second, pids) for g in range(ranks)]}
+            for pid in pids:
+                yield {"type": "process", "t_mono_ns": next_second, "pid": pid,
+                       "rss_bytes": 20 << 30, "peak_rss_bytes": 24 << 30}
+            next_second += 1_000_000_000
+        for span, (a, b) in zip(("data_loading", "forward", "backward", "optimizer"),
+                                ((0, 5), (5, 40), (40, 90), (90, 100)), strict=True):
+            yield {"type": "phase", "t_mono_ns": t + step_ns * a // 100,
+                   "end_mono_ns": t + step_ns * b // 100, "pid": PID, "phase": span}
+        counters["kernel_launches"] += 3000
+        counters["sync_wait_ns"] += 2_000_000
+        for pid in pids:
+            yield {"type": "marker", "t_mono_ns": t + step_ns * 40 // 100, "pid": pid,
+                   "tid": pid, "kind": "backward_enter", "name": ""}
+            yield {"type": "marker", "t_mono_ns": t + step_ns * 90 // 100, "pid": pid,
+                   "tid": pid, "kind": "backward_exit", "name": ""}
+            yield {"type": "cuda", "t_mono_ns": t + step_ns * 91 // 100, "pid": pid,
+                   "at_step": True, **counters,
+                   "nccl_calls": dict.fromkeys(NCCL_KEYS, i * 2),
+                   "nccl_bytes": dict.fromkeys(NCCL_KEYS, i * 2 << 20),
+                   "runtime_launches": counters["kernel_launches"], "driver_launches": 0,
+                   "forwarded_launches": counters["kernel_launches"], "sync_calls": i * 4,
+                   "sync_untracked": 0, "nccl_unknown_dtype_calls": 0}
+            yield {"type": "marker", "t_mono_ns": t + step_ns * 91 // 100, "pid": pid,
+                   "tid": pid, "kind": "optimizer_step", "name": "Optimizer.step#AdamW.step"}
+            yield {"type": "marker", "t_mono_ns": t + step_ns * 99 // 100, "pid": pid,
+                   "tid": pid, "kind": "zero_grad", "name": "Optimizer.zero_grad#AdamW.zero_grad"}
+    yield {"type": "session_end", "t_mono_ns": START_NS + iterations * step_ns,
+           "reason": "duration"}
+
+
 def write(stream: BinaryIO, items: Iterator[dict[str, Any]]) -> int:
     """Pack records into a stream; the bytes written."""
     packer = msgpack.Packer()

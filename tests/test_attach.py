@@ -175,3 +175,23 @@ def test_signal_ends_the_session_cleanly(start_target, agent, out_dir, signum):
     assert info["end_reason"] == signum.name and info["end_time"] is not None
     assert target.proc.poll() is None  # the job goes on
     assert "summary:" in out
+
+
+def test_tokens_and_samples_per_second_need_only_the_batch_and_sequence_length(
+    start_target, agent, out_dir
+):
+    # The job's command line gives the batch and the sequence length, not the model.
+    target = start_target("--global-batch-size", "8", "--micro-batch-size", "4",
+                          "--seq-length", "64")
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "4",
+                    "--output-dir", str(out_dir), "--no-stack-sampling")
+    assert run.returncode == 0, run.stderr
+    assert "model dimensions unknown, no FLOPs" in run.stderr
+    summary = load_summary(out_dir)
+    stats = summary["final_statistics"]
+    seconds = stats["avg_step_time_ms"] / 1e3
+    assert stats["avg_tokens_per_sec"] == pytest.approx(8 * 64 / seconds, rel=1e-6)
+    assert stats["avg_samples_per_sec"] == pytest.approx(8 / seconds, rel=1e-6)
+    assert stats["avg_tflops_per_gpu"] is None and stats["mfu"] is None
+    assert all(e["tokens_per_sec"] > 0 for e in summary["iteration_logs"])
+    assert summary["session_info"]["model"]["global_batch_size"] == "given"

@@ -1,0 +1,88 @@
+"""How fast, and in how much memory, does `summarize` rebuild a big event log?
+
+Writes a synthetic log of the records a real session writes (tests/eventlogs.py)
+of about --gib GiB, then runs `perfmon-agent summarize` on it --runs times in
+a fresh process each, reporting MiB/s and the peak resident memory of that
+process. Target: >= 50 MiB/s and <= 200 MB on a 1 GiB log.
+
+Two mixes:
+  node  an 8-GPU node: 8 ranks probed, NVML at 1 Hz, memory of every rank at
+        1 Hz, CUDA snapshots of every rank at each step, py-spy phases; 500 ms steps
+  cpu   a CPU job with 100 ms steps: markers and phase spans only (the smallest
+        records, so the most of them per MiB: the worst case per byte)
+
+    .venv/bin/python benchmarks/summarize_speed.py --gib 1 --mix node --runs 3
+    .venv/bin/python benchmarks/summarize_speed.py --gib 1 --mix cpu --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests import eventlogs  # noqa: E402
+
+# Bytes of one iteration in each mix (measured), to size the log.
+_BYTES_PER_ITERATION = {"node": 9_560, "cpu": 548}
+
+
+def write_log(path: Path, gib: float, mix: str) -> int:
+    iterations = int(gib * (1 << 30) / _BYTES_PER_ITERATION[mix])
+    records = (eventlogs.node_records(iterations) if mix == "node"
+               else eventlogs.records(iterations))
+    with open(path, "wb", buffering=1 << 20) as f:
+        return eventlogs.write(f, records)
+
+
+def summarize_once(log: Path) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) of one `summarize` in its own process."""
+    code = ("import resource, sys; from perfmon.agent.cli import main; rc = main(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); "
+            "sys.exit(rc)")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code, "summarize", str(log), "--output",
+         str(log.with_suffix(".json"))],
+        capture_output=True, text=True, check=False)
+    seconds = time.monotonic() - started
+    if done.returncode != 0:
+        raise SystemExit(f"summarize failed: {done.stderr}")
+    peak_kib = int(done.stderr.strip().splitlines()[-1])
+    return seconds, peak_kib / 1024
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--mix", choices=sorted(_BYTES_PER_ITERATION), default="node")
+    p.add_argument("--runs", type=int, default=3)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="perfmon-bench-") as tmp:
+        log = Path(tmp) / "perf_events_20261130_120000.msgpack"
+        started = time.monotonic()
+        size = write_log(log, args.gib, args.mix)
+        print(f"wrote {size / 2**20:.0f} MiB ({args.mix} mix) "
+              f"in {time.monotonic() - started:.1f} s")
+        rates, peaks = [], []
+        for run in range(args.runs):
+            seconds, peak_mb = summarize_once(log)
+            rates.append(size / 2**20 / seconds)
+            peaks.append(peak_mb)
+            print(f"run {run + 1}: {seconds:.1f} s, {rates[-1]:.1f} MiB/s, "
+                  f"peak RSS {peak_mb:.0f} MB")
+        print(f"median {statistics.median(rates):.1f} MiB/s (target >= 50), "
+              f"peak RSS max {max(peaks):.0f} MB (target <= 200)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

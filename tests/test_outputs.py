@@ -1,0 +1,318 @@
+"""Nothing is lost: a full or read-only disk, signals, a closed stdout, week-long runs
+(rotated event logs, thinned summaries) and event logs that are cut, malformed or big."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+from perfmon.agent.eventlog import EventLogWriter
+from perfmon.agent.outputs import OutputDir
+from perfmon.agent.summary import rebuild_from_event_log
+
+from tests import eventlogs
+from tests.conftest import load_summary, wait_for
+
+pytestmark = pytest.mark.usefixtures("ebpf")
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A 3 MiB tmpfs of our own, to fill up or make read-only."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0750", "tmpfs", str(mount)],
+                   check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(folder: Path) -> Path:
+    """Fill the filesystem of ``folder`` up to the last byte."""
+    filler = folder / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for chunk in (1 << 16, 1 << 12, 1):  # down to the last byte
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def _summary(out: Path) -> dict | None:
+    try:
+        return load_summary(out)
+    except (ValueError, FileNotFoundError):
+        return None
+
+
+def test_full_disk_keeps_measuring_says_so_once_and_writes_everything_once_space_returns(
+    start_target, agent, small_fs
+):
+    target = start_target()
+    out = small_fs / "out"
+    proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out),
+                       "--log-interval", "5", "--duration", "14")
+    wait_for(lambda: (s := _summary(out)) and s["session_info"]["total_iterations"] > 5,
+             30, "the first summary")
+    filler = fill(small_fs)
+    time.sleep(4)
+    during = _summary(out)  # the last good summary stays in place, whole
+    assert during is not None and during["session_info"]["end_time"] is None
+    filler.unlink()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    full = [li for li in err.splitlines() if "No space left on device" in li]
+    assert len([li for li in full if "cannot write the summary" in li]) == 1, err
+    assert len([li for li in full if "cannot write the event log" in li]) == 1, err
+    assert "the summary is written again" in err
+    summary = load_summary(out)
+    info = summary["session_info"]
+    truth = [t for _, t in target.timestamps()
+             if info["attach_monotonic_ns"] <= t <= info["detach_monotonic_ns"]]
+    assert abs(info["total_iterations"] - len(truth)) <= 1  # no iteration missed
+    # The records that waited in memory reached the log: it rebuilds the same summary.
+    rebuilt = rebuild_from_event_log(out / info["event_log"]).summary
+    assert rebuilt["final_statistics"] == summary["final_statistics"]
+    assert rebuilt["iteration_logs"] == summary["iteration_logs"]
+
+
+def test_output_that_stays_unwritable_ends_with_exit_7_naming_the_file(
+    start_target, agent, small_fs
+):
+    target = start_target()
+    out = small_fs / "out"
+    proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out),
+                       "--duration", "6")
+    wait_for(lambda: _summary(out), 30, "the first summary")
+    # (A filesystem cannot be remounted read-only under a file open for writing, so
+    # a full one stands for every refusing disk; EROFS, EIO and EDQUOT take the same path.)
+    fill(small_fs)
+    reason = "No space left on device"
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 7, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("perfmon-agent: error: output not writable: ")
+    assert "perf_summary_" in last and reason in last
+    assert _summary(out) is not None  # the last good summary is still there
+
+
+def test_unwritable_output_dir_is_refused_before_anything_attaches(
+    start_target, agent, small_fs
+):
+    target = start_target()
+    (small_fs / "out").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    started = time.monotonic()
+    run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(small_fs / "out"))
+    assert time.monotonic() - started < 10
+    assert run.returncode == 2, run.stderr
+    (line,) = run.stderr.strip().splitlines()
+    assert "output dir" in line and "not writable: Read-only file system" in line
+
+
+def test_closed_stdout_ends_the_session_quietly_and_keeps_the_summary(
+    start_target, agent, out_dir
+):
+    target = start_target()
+    proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
+                       "--log-interval", "5")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("Attaching to pid")
+    proc.stdout.close()  # like `| head -1`
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    assert load_summary(out_dir)["session_info"]["end_reason"] == "stdout_closed"
+
+
+def test_json_into_a_closed_pipe_is_quiet(start_target, out_dir):
+    target = start_target()
+    agent_cmd = [sys.executable, "-m", "perfmon.agent.cli", "attach", "--pid", str(target.pid),
+                 "--duration", "2", "--json", "--output-dir", str(out_dir)]
+    done = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | head -c 10 >/dev/null',
+                           "bash", *agent_cmd], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+    assert load_summary(out_dir)["session_info"]["end_reason"] == "duration"
+
+
+# -- week-long runs: bounded files --------------------------------------------------------
+
+def test_event_log_rotates_into_parts_that_summarize_reads_together(tmp_path: Path):
+    out = OutputDir.open(tmp_path / "out")
+    writer = EventLogWriter(out, "perf_events_20261130_120000", part_bytes=64 << 10)
+    for n, record in enumerate(eventlogs.records(3000)):
+        writer.append(record)
+        if n % 50 == 0:
+            assert writer.flush()
+    assert writer.close()
+    out.close()
+    parts = sorted((tmp_path / "out").iterdir())
+    assert len(parts) > 10
+    for part in parts:
+        assert part.stat().st_size < (64 << 10) + 1024  # a part ends at the first record past it
+        first = next(iter(msgpack.Unpacker(open(part, "rb"), raw=False)))
+        assert first["type"] == ("session_start" if part.name.endswith("0000.msgpack")
+                                 else "log_part")
+    whole = eventlogs.write_log(tmp_path / "perf_events_20261130_130000.msgpack", 3000)
+    expected = rebuild_from_event_log(whole).summary
+    for start in (parts[0], parts[7]):  # from the first part or any later one
+        rebuilt = rebuild_from_event_log(start)
+        assert len(rebuilt.parts) == len(parts)
+        assert rebuilt.summary["final_statistics"] == expected["final_statistics"]
+        assert rebuilt.summary["iteration_logs"] == expected["iteration_logs"]
+
+
+def test_iteration_logs_are_thinned_evenly_and_marked_beyond_the_limit(tmp_path: Path):
+    log = eventlogs.write_log(tmp_path / "perf_events_x.msgpack", 30_001, log_interval=10,
+                              max_log_entries=100)
+    summary = rebuild_from_event_log(log).summary
+    logs = summary["iteration_logs"]
+    assert len(logs) <= 100
+    stride = summary["session_info"]["iteration_logs_kept_one_in"]
+    assert stride > 1
+    recent = [e for e in logs if "kept_one_in" not in e]
+    older = [e for e in logs if "kept_one_in" in e]
+    assert len(recent) >= 50 and older and all(e["kept_one_in"] == stride for e in older)
+    assert logs == older + recent  # older first, in order
+    # The newest entries are every interval; the older ones every stride-th, evenly.
+    gaps = [b["iteration"] - a["iteration"] for a, b in itertools.pairwise(logs)]
+    assert set(gaps[len(older):]) == {10}
+    assert set(gaps[: len(older) - 1]) == {10 * stride}
+    # The statistics still cover every iteration.
+    assert summary["final_statistics"]["measured_iterations"] == 30_000
+
+
+def test_live_thinned_summary_equals_the_one_rebuilt_from_its_log(start_target, agent, out_dir):
+    target = start_target()
+    run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
+                    "--duration", "5", "--log-interval", "2", "--max-log-entries", "8")
+    assert run.returncode == 0, run.stderr
+    live = load_summary(out_dir)
+    assert len(live["iteration_logs"]) <= 8
+    assert any("kept_one_in" in e for e in live["iteration_logs"])
+    rebuilt = rebuild_from_event_log(out_dir / live["session_info"]["event_log"]).summary
+    assert rebuilt["iteration_logs"] == live["iteration_logs"]
+    assert rebuilt["final_statistics"] == live["final_statistics"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP])
+def test_sighup_ends_the_session_like_sigterm(start_target, agent, out_dir, signum):
+    target = start_target()
+    proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir))
+    wait_for(lambda: (s := _summary(out_dir)) and s["session_info"]["total_iterations"] > 10,
+             30, "iterations in the live summary")
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    info = load_summary(out_dir)["session_info"]
+    assert info["end_reason"] == "SIGHUP" and info["end_time"] is not None
+    assert target.proc.poll() is None
+
+
+# -- event logs that are cut, malformed or big -------------------------------------------
+
+def _summarize(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "perfmon.agent.cli", "summarize", *args],
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def test_records_of_the_wrong_shape_are_counted_and_skipped_with_one_warning(tmp_path: Path):
+    clean = list(eventlogs.records(200))
+    bad = [{"type": "marker", "t_mono_ns": "soon", "pid": 1, "tid": 1, "kind": "optimizer_step",
+            "name": ""},
+           {"type": "phase", "t_mono_ns": 5},  # fields missing
+           [1, 2, 3], "a string", {"no": "type"},
+           {"type": "process", "t_mono_ns": 1, "pid": 1, "rss_bytes": None,
+            "peak_rss_bytes": None},
+           {"type": "gpu", "t_mono_ns": 1, "gpus": "none"}]
+    mixed = [*clean[:100], *bad, *clean[100:]]
+    log = tmp_path / "perf_events_bad.msgpack"
+    with open(log, "wb") as f:
+        eventlogs.write(f, iter(mixed))
+    done = _summarize(str(log), "--output", str(tmp_path / "s.json"))
+    assert done.returncode == 0, done.stderr
+    (warning,) = done.stderr.splitlines()
+    assert warning.startswith("perfmon-agent: warning: 7 records of the wrong shape skipped")
+    expected = rebuild_from_event_log(eventlogs.write_log(tmp_path / "perf_events_ok.msgpack",
+                                                          200)).summary
+    assert json.loads((tmp_path / "s.json").read_text())["final_statistics"] == \
+        expected["final_statistics"]
+
+
+def test_a_log_cut_anywhere_rebuilds_up_to_the_cut(tmp_path: Path):
+    whole = eventlogs.write_log(tmp_path / "perf_events_whole.msgpack", 300).read_bytes()
+    rng = random.Random(7)
+    cuts = sorted(rng.sample(range(200, len(whole)), 25))
+    counts = []
+    for cut in cuts:
+        part = tmp_path / f"perf_events_cut{cut}.msgpack"
+        part.write_bytes(whole[:cut])
+        rebuilt = rebuild_from_event_log(part)
+        info = rebuilt.summary["session_info"]
+        assert info["end_reason"] == "log_truncated"
+        counts.append(info["total_iterations"])
+    assert counts == sorted(counts) and counts[-1] > 250
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (msgpack.packb({"type": "session_start", "t_mono_ns": 1, "session": {"log_interval": "x"}}),
+     "session facts"),
+    (b"\xdb\xff\xff\xff\xff" + b"x" * 100, "not a perfmon event log"),  # a 4 GiB string header
+    (b"\x91" * 100_000, "not a perfmon event log"),  # arrays nested 100,000 deep
+    (b"", "not a perfmon event log"),
+])
+def test_logs_that_are_not_event_logs_are_one_line(tmp_path: Path, content: bytes, needle: str):
+    log = tmp_path / "perf_events_bogus.msgpack"
+    log.write_bytes(content)
+    done = _summarize(str(log), timeout_s=30)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("perfmon-agent: error: ") and needle in line
+
+
+def test_corrupt_bytes_in_the_middle_stop_reading_there_with_a_warning(tmp_path: Path):
+    data = bytearray(eventlogs.write_log(tmp_path / "perf_events_w.msgpack", 300).read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = b"\xc1" * 8  # 0xc1 is never used by msgpack
+    log = tmp_path / "perf_events_corrupt.msgpack"
+    log.write_bytes(bytes(data))
+    rebuilt = rebuild_from_event_log(log)
+    assert any("undecodable data" in w for w in rebuilt.warnings)
+    assert 100 < rebuilt.summary["session_info"]["total_iterations"] < 200
+
+
+def test_a_1_gib_log_is_rebuilt_in_flat_memory(tmp_path: Path):
+    log = tmp_path / "perf_events_20261130_120000.msgpack"
+    iterations = (1 << 30) // 9_560
+    with open(log, "wb", buffering=1 << 20) as f:
+        size = eventlogs.write(f, eventlogs.node_records(iterations))
+    assert size >= 1 << 30
+    code = ("import resource, sys; from perfmon.agent.cli import main; rc = main(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); "
+            "sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, "summarize", str(log), "--json"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    peak_mb = int(done.stderr.strip().splitlines()[-1]) / 1024
+    assert peak_mb <= 200, peak_mb
+    summary = json.loads(done.stdout)
+    assert summary["session_info"]["total_iterations"] == iterations
+    assert summary["final_statistics"]["kernels_per_iter"] == 3000
