@@ -245,6 +245,7 @@ class StepAggregator:
     _cuda_iterations: int = 0
     gpu_events: list[dict[str, Any]] = field(default_factory=list)  # xid, ecc, lost
     gpu_attribution: str | None = None  # how the job's GPUs were found (job_gpu_indices)
+    estimators: dict[str, int] = field(default_factory=dict)  # iteration ends by estimator
     # iteration_logs holds at most this many entries: older ones are thinned
     # evenly (one in log_stride kept, marked kept_one_in); None: no bound.
     max_log_entries: int | None = DEFAULT_MAX_LOG_ENTRIES
@@ -265,7 +266,7 @@ class StepAggregator:
             # Markers from before the probes were all attached fall outside the window.
             if record["pid"] != self.primary_pid or t_ns < self.start_t_mono_ns:
                 return []
-            return self._on_marker(record["kind"], t_ns)
+            return self._on_marker(record["kind"], t_ns, record["name"])
         if kind == "phase" and record["pid"] == self.primary_pid:
             self.phases.add_span(t_ns, record["end_mono_ns"], record["phase"])
         elif kind == "process":
@@ -292,7 +293,7 @@ class StepAggregator:
             self.end_t_mono_ns, self.end_reason = t_ns, record["reason"]
         return []
 
-    def _on_marker(self, marker: str, t_ns: int) -> list[dict[str, Any]]:
+    def _on_marker(self, marker: str, t_ns: int, name: str) -> list[dict[str, Any]]:
         if marker == "backward_enter":
             self._backwards_since_end += 1
             self._backward_seen = True
@@ -314,6 +315,11 @@ class StepAggregator:
         previous_end, self._last_end_ns = self._last_end_ns, t_ns
         if previous_end is None:
             return []  # the partial iteration that was running at attach
+        # How this end was found: uprobes (exact), or py-spy's estimators
+        # (perfmon.parsers.sampled_iterations), named by the marker.
+        how = ((name.partition(":")[2] or "optimizer_frame") if name.startswith("pyspy")
+               else "uprobe")
+        self.estimators[how] = self.estimators.get(how, 0) + 1
         w = self.workload
         samples = w.samples(micro)
         tokens = samples * w.seq_length if samples and w.seq_length else None
@@ -593,6 +599,9 @@ class StepAggregator:
             "min_step_time_ms": steps_ms[0] if steps_ms else None,
             "max_step_time_ms": steps_ms[-1] if steps_ms else None,
             "measured_iterations": len(steps_ms),
+            "iteration_estimator": (max(self.estimators, key=self.estimators.__getitem__)
+                                    if self.estimators else None),
+            "iteration_estimators": dict(self.estimators),
             "microbatches_per_step": (
                 int(statistics.median_low(self._microbatches)) if self._microbatches else None
             ),

@@ -420,7 +420,7 @@ class MonitorSession:
         if live.stacks is not None:
             # Stack records first: they carry the phase samples that interval
             # entries completed by this round's markers wait for.
-            records += live.stacks.poll()
+            records += live.stacks.poll(final=until_ns is not None)
         if live.cuda is not None:
             # Step snapshots only (the periodic ones add nothing per iteration),
             # before the markers they belong to.

@@ -7,9 +7,9 @@ from typing import Any
 
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.pyspy import ThreadStack
+from perfmon.parsers.sampled_iterations import CounterRead, SampledIterationClock
 from perfmon.parsers.stack_analysis import (
     DEFAULT_ITERATION_LOCALS,
-    IterationDetector,
     classify_phase,
     iteration_local,
     main_thread,
@@ -20,10 +20,13 @@ from perfmon.probes.sampler import monotonic_ns
 
 # Reads of the job's own counter: a few at the start (a read racing the
 # increment is off by one; reads late in a step and the most frequent offset
-# win), then one a minute to notice a resumed or restarted loop.
+# win), then one a minute to notice a resumed or restarted loop. When the
+# counter counts iterations (py-spy mode) it is read every COUNTING_SPACING_NS
+# (a read costs py-spy ~10 ms of CPU), as long as the job turns out to have one.
 JOB_ITERATION_READS = 5
 JOB_ITERATION_SPACING_NS = 700_000_000
 JOB_ITERATION_REFRESH_NS = 60_000_000_000
+COUNTING_SPACING_NS = 2_000_000_000
 
 
 class StackMonitor:
@@ -32,8 +35,9 @@ class StackMonitor:
     - ``phase``: spans of the training (main) thread, one record per run of
       samples in the same phase, split at each poll so the aggregator knows
       how far the samples reach;
-    - ``marker`` (``optimizer_step``) when ``detect_iterations``: iteration
-      boundaries found in the samples;
+    - ``marker`` (``optimizer_step``, named ``pyspy:<estimator>``) when
+      ``detect_iterations``: iteration ends found in the samples and checked
+      against the job's counter (perfmon.parsers.sampled_iterations);
     - ``job_iteration``: the job's own counter read from a local variable.
     """
 
@@ -42,31 +46,40 @@ class StackMonitor:
                  iteration_variable: str | None = None, rate_hz: int = DEFAULT_RATE_HZ) -> None:
         self.primary = primary
         self.sampler = PySpySampler([primary.pid], rate_hz=rate_hz)
-        self.detector = IterationDetector(iteration_function) if detect_iterations else None
+        self.clock = SampledIterationClock(iteration_function) if detect_iterations else None
         self.names = (iteration_variable,) if iteration_variable else DEFAULT_ITERATION_LOCALS
         self._span: list[Any] | None = None  # [phase, start, end]
         self._reads = 0
+        self._counter_found = False
         self._next_read_ns = 0
 
     def start(self) -> None:
         self.sampler.start()
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self, final: bool = False) -> list[dict[str, Any]]:
+        """Records since the last call; ``final``: the session ends, settle everything."""
         samples = self.sampler.poll()
-        records = self._phase_records(s for s in samples if s.tid == self.primary.pid)
-        if self.detector is not None:
-            records += [
-                {"type": "marker", "t_mono_ns": b.t_mono_ns, "pid": b.pid, "tid": b.tid,
-                 "kind": "optimizer_step", "name": "pyspy"}
-                for b in self.detector.feed(samples)
-            ]
+        main = [s for s in samples if s.tid == self.primary.pid]
+        records = self._phase_records(main)
         now = monotonic_ns()
-        if now >= self._next_read_ns:
+        if now >= self._next_read_ns and not final:
             self._reads += 1
-            spacing = (JOB_ITERATION_SPACING_NS if self._reads < JOB_ITERATION_READS
+            records += self._job_iteration()
+            counting = self.clock is not None and (self._counter_found
+                                                   or self._reads < JOB_ITERATION_READS)
+            if self.clock is not None and not counting:
+                self.clock.expect_counter = False  # no counter: ends from the samples alone
+            spacing = (COUNTING_SPACING_NS if counting
+                       else JOB_ITERATION_SPACING_NS if self._reads < JOB_ITERATION_READS
                        else JOB_ITERATION_REFRESH_NS)
             self._next_read_ns = now + spacing
-            records += self._job_iteration()
+        if self.clock is not None:
+            self.clock.feed(main)
+            records += [
+                {"type": "marker", "t_mono_ns": t, "pid": self.primary.pid,
+                 "tid": self.primary.pid, "kind": "optimizer_step", "name": f"pyspy:{how}"}
+                for t, how in self.clock.take(final)
+            ]
         return records
 
     def _phase_records(self, samples: Any) -> list[dict[str, Any]]:
@@ -100,7 +113,13 @@ class StackMonitor:
         if found is None:
             return []
         name, value = found
-        return [{"type": "job_iteration", "t_mono_ns": before, "end_mono_ns": monotonic_ns(),
+        self._counter_found = True
+        end = monotonic_ns()
+        if self.clock is not None:
+            thread = main_thread(threads)
+            phase = classify_phase(thread.frames) if thread is not None else "other"
+            self.clock.read(CounterRead(before, end, value, phase))
+        return [{"type": "job_iteration", "t_mono_ns": before, "end_mono_ns": end,
                  "pid": self.primary.pid, "value": value, "name": name}]
 
     def close(self) -> None:

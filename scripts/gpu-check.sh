@@ -11,6 +11,7 @@
 # the agent falls back to py-spy for iterations, and says so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+failed=()  # what went wrong; the script exits non-zero when anything did
 PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
@@ -30,7 +31,7 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total,power.
 
 echo "== health check against the real driver"
 timeout 60 "$PY" -m perfmon.agent.cli health --window 3 --json > "$OUT/health.json"
-echo "exit $?"
+rc=$?; echo "exit $rc"; [ "$rc" -le 1 ] || failed+=("health exit $rc")
 "$PY" - "$OUT/health.json" <<'PYEOF'
 import json, sys
 report = json.load(open(sys.argv[1]))
@@ -42,7 +43,8 @@ PYEOF
 
 echo "== GPU-side tests (fake NVML, fake CUDA/NCCL; uprobe tests need bcc)"
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_nvml_sampler.py tests/test_health.py \
-  tests/test_attach_gpu.py tests/test_cuda_probe.py 2>&1 | tail -n 15
+  tests/test_attach_gpu.py tests/test_cuda_probe.py > "$OUT/pytest.log" 2>&1
+rc=$?; tail -n 15 "$OUT/pytest.log"; [ "$rc" -eq 0 ] || failed+=("GPU-side tests exit $rc")
 
 echo "== a CUDA training job under the agent"
 "$PY" tests/targets/train_gpt.py --device cuda --num-layers 8 --hidden-size 1024 \
@@ -55,7 +57,7 @@ printf 'num_layers: 8\nhidden_size: 1024\nnum_attention_heads: 16\nseq_length: 5
   > "$OUT/model.yaml"
 timeout 180 "$PY" -m perfmon.agent.cli attach --pid "$job" --duration 45 --log-interval 50 \
   --model-config "$OUT/model.yaml" --dtype tf32 --output-dir "$OUT" --json > "$OUT/summary.json"
-echo "attach exit $?"
+rc=$?; echo "attach exit $rc"; [ "$rc" -eq 0 ] || failed+=("attach exit $rc")
 smi_mem=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | awk -F, -v p="$job" '$1==p {print $2}')
 "$PY" - "$OUT" "${smi_mem:-}" <<'PYEOF'
 import itertools, json, re, statistics, sys
@@ -80,4 +82,13 @@ print(f"phases               {f['phases_source']}: " + ", ".join(
     f"{k} {v['share']:.0%}" for k, v in (f["phases"] or {}).items()))
 print(f"CUDA per iteration   {f.get('kernels_per_iter')} launches, "
       f"{f.get('cpu_sync_wait_ms')} ms sync wait")
+# The check fails when the agent's step time or count disagrees with the job's own.
+sys.exit(0 if abs(f["avg_step_time_ms"] / truth - 1) <= 0.02
+         and abs(info["total_iterations"] - len(window)) <= 1 else 1)
 PYEOF
+rc=$?; [ "$rc" -eq 0 ] || failed+=("summary check exit $rc")
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'GPU check FAILED: %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "GPU check passed"

@@ -90,3 +90,32 @@ def test_pyspy_mode_mean_step_time_matches_the_targets_own_timestamps(
     assert sum(abs(g - 1) for g in gaps) <= 1, gaps
     truth_ms = (stamps[matched[-1]] - stamps[matched[0]]) / (matched[-1] - matched[0]) / 1e6
     assert stats["avg_step_time_ms"] == pytest.approx(truth_ms, rel=0.02)
+
+
+@pytest.mark.parametrize("counter", [True, False], ids=["job_counter", "no_counter"])
+def test_pyspy_mode_counts_every_step_though_the_optimizer_step_is_too_short_to_sample(
+    start_target, agent, out_dir, counter
+):
+    # Plain SGD on a small model: the optimizer step (with zero_grad) takes ~1.5 ms
+    # of a ~145 ms step, so 100 Hz sampling sees it in few iterations.
+    target = start_target("--hidden-size", "64", "--seq-length", "256",
+                          "--micro-batch-size", "16", "--optimizer", "sgd",
+                          *([] if counter else ["--anonymous-loop"]))
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "20",
+                    "--iteration-source", "pyspy", "--log-interval", "10",
+                    "--output-dir", str(out_dir))
+    assert run.returncode == 0, run.stderr
+    summary = load_summary(out_dir)
+    stats = summary["final_statistics"]
+    assert stats["iteration_estimator"] == ("counter" if counter else "phase_transitions")
+    (events,) = out_dir.glob("perf_events_*.msgpack")
+    ends = sorted(r["t_mono_ns"] for r in msgpack.Unpacker(open(events, "rb"), raw=False)
+                  if r["type"] == "marker")
+    stamps = [t for _, t in target.timestamps()]
+    # The job's own steps between the first and the last end the agent found.
+    step = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    truth = [t for t in stamps if ends[0] - step / 2 <= t <= ends[-1] + step / 2]
+    assert len(truth) > 100
+    assert abs(len(ends) - len(truth)) <= max(1, len(truth) // 100)
+    truth_ms = (truth[-1] - truth[0]) / (len(truth) - 1) / 1e6
+    assert stats["avg_step_time_ms"] == pytest.approx(truth_ms, rel=0.01)

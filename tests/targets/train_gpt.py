@@ -94,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stall-at", type=int, default=0, help="stall forever at this iteration")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                   help="sgd: plain SGD, whose step takes ~1 ms on a small model")
+    p.add_argument("--anonymous-loop", action="store_true",
+                   help="keep no integer iteration counter in a local variable")
     # Flags it does not use are ignored, as launchers often pass more than a
     # script reads (e.g. --config_name, --global-batch-size for the agent to find).
     return p.parse_known_args(argv)[0]
@@ -114,13 +118,17 @@ def train(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     model = GPT(vocab=args.vocab_size, seq=args.seq_length, layers=args.num_layers,
                 hidden=args.hidden_size, heads=args.num_attention_heads, ffn=ffn).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=1e-3) if args.optimizer == "sgd"
+                 else torch.optim.AdamW(model.parameters(), lr=3e-4))
     loader = DataLoader(RandomTokens(args.vocab_size, args.seq_length, args.data_delay_ms),
                         batch_size=args.micro_batch_size)
     batches = iter(loader)
     stamps = open(args.timestamps, "a", buffering=1) if args.timestamps else None
-    iteration = 0
     print(f"pid {os.getpid()}: training", flush=True)
+    if args.anonymous_loop:
+        loop(args, model, optimizer, batches, stamps, device)
+        return
+    iteration = 0
     while args.train_iters == 0 or iteration < args.train_iters:
         if args.stall_at and iteration == args.stall_at:
             deliberately_stalled_collective()
@@ -145,6 +153,21 @@ def train(args: argparse.Namespace) -> None:
     if args.after_train == "sleep":
         while True:
             time.sleep(3600)
+
+
+def loop(args, model, optimizer, batches, stamps, device) -> None:
+    """The same training step, with the count kept where no local integer shows it."""
+    progress = {"done": [0]}
+    while args.train_iters == 0 or progress["done"][0] < args.train_iters:
+        tokens = next(batches).to(device)
+        logits = model(tokens[:, :-1])
+        nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+        if stamps:
+            stamps.write(f"{progress['done'][0] + 1} {time.monotonic_ns()}\n")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress["done"][0] += 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,342 @@
+"""Iteration ends of a training loop from stack samples alone, without missing steps (pure).
+
+Sampling at 100 Hz sees a phase of a few milliseconds (a small optimizer's
+step) only now and then, so counting entries into Optimizer.step loses
+iterations. What every iteration is sure to show, in order of preference:
+
+1. ``counter``: the job's own iteration counter, read from its frame locals
+   (``py-spy dump --locals``). The count between two reads is the counter's
+   difference, exactly. Only reads whose snapshot shows the training thread in
+   the same phase as the boundary's anchor (inside backward) are used: a read
+   there always sees the counter at the same point of the loop relative to the
+   boundaries, wherever the loop increments it, so the comparison is exact.
+   Between two such reads, ends the samples missed are added (in the longest
+   gaps) and extra ones removed (the shortest), so the count matches.
+2. ``phase_transitions``: the end of each run of backward samples (backward is
+   long: tens of milliseconds and more at steps of >= 100 ms), one per
+   micro-batch; with gradient accumulation, every M-th is an iteration end, M
+   from the counter or from the spacing of the optimizer steps that were seen.
+   When the samples missed a backward run, the forward runs still show its
+   iteration (M forward runs each): its end is restored at the start of its
+   successor's first forward. A pause (a checkpoint) shows no forward runs and
+   adds no iterations.
+3. ``optimizer_frame``: entries into torch.optim Optimizer.step (or the
+   ``--iteration-function`` pattern: ``function``), when the loop shows no
+   backward at all.
+
+The time of an end is the first sample after the backward run (or the first
+inside the optimizer step), so it trails the true instant by about one sampling
+period; the mean over many steps telescopes (see IterationDetector).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from perfmon.parsers.pyspy import StackSample
+from perfmon.parsers.stack_analysis import IterationDetector, classify_phase
+
+# A new phase must last this long to begin a run (see SampledIterationClock.feed).
+CONFIRM_NS = 10_000_000
+MEDIAN_OF = 51  # recent backward runs whose median lengths judge a long one
+# Without a usable counter read for this long, held ends are passed on anyway.
+MAX_HOLD_NS = 15_000_000_000
+
+
+@dataclass(frozen=True)
+class CounterRead:
+    """One read of the job's counter: when (the dump's start and end), its value, and
+    the phase (stack_analysis.PHASES) the training thread was in at that moment."""
+
+    t_mono_ns: int
+    end_mono_ns: int
+    value: int
+    phase: str
+
+
+@dataclass
+class _Candidate:
+    t_mono_ns: int
+    run_ns: int = 0  # how long the backward run before it lasted (first to last sample)
+    optimizer_after: bool = False  # an optimizer sample followed before the next backward
+
+
+class SampledIterationClock:
+    """Feed main-thread samples (``feed``) and counter reads (``read``); ``take``
+    returns the iteration ends that are settled, as (t_mono_ns, estimator).
+
+    ``expect_counter``: hold ends until a counter read settles them (the caller
+    reads the counter); set it to False once the job turns out to have none.
+    """
+
+    def __init__(self, function_regex: str | None = None, *,
+                 expect_counter: bool = True) -> None:
+        self._function = IterationDetector(function_regex) if function_regex else None
+        self._optimizer = IterationDetector()  # entries into Optimizer.step
+        self.expect_counter = expect_counter
+        self.watermark_ns = 0  # samples cover the thread up to here
+        self.microbatches: int | None = None  # M: backward runs per iteration, once known
+        self._backward_seen = False
+        self._run_phase: str | None = None  # the phase of the current run
+        self._run_since = 0  # its first sample
+        self._next_phase: str | None = None  # another phase seen once, since...
+        self._next_since = 0  # ... this sample
+        self._outside_since: int | None = None  # first sample outside the current run
+        self._optimizer_since_backward = False  # an optimizer sample since backward began
+        self._runs: deque[int] = deque(maxlen=MEDIAN_OF)  # recent backward run lengths
+        self._cycles: deque[int] = deque(maxlen=MEDIAN_OF)  # recent gaps between their ends
+        self._after_backward = False  # a backward run ended; the next has not begun
+        self._forward_starts: deque[int] = deque(maxlen=4096)
+        self._candidates: list[_Candidate] = []  # backward ends not yet checked
+        self._checked: list[_Candidate] = []  # checked, not yet grouped
+        self._optimizer_ends: list[int] = []  # optimizer-frame (or function) entries
+        self._in_group = 0  # backward runs of the current iteration so far
+        self._held: list[tuple[int, str]] = []  # ends not yet passed on
+        self._last_emitted: int | None = None
+        self._last_end: int | None = None
+        self._reads: list[CounterRead] = []  # waiting for samples to cover them
+        self._anchor: CounterRead | None = None  # the last clean read
+        self._ends_total = 0  # ends produced (held + emitted), for counting against reads
+        self._ready: list[tuple[int, str]] = []  # settled, for the next take()
+
+    @property
+    def estimator(self) -> str:
+        """How ends not checked against the counter are found."""
+        if self._function is not None:
+            return "function"
+        return "phase_transitions" if self._backward_seen else "optimizer_frame"
+
+    def feed(self, samples: Iterable[StackSample]) -> None:
+        """Samples of the training thread, in time order.
+
+        Phases are followed as runs. A change of phase counts once the new phase
+        has lasted CONFIRM_NS: around a transition the samples can flicker for a
+        few milliseconds (two py-spy windows' clocks disagreeing where they are
+        joined, or a read racing the running interpreter), and a flicker must not
+        end a run. (A sample is py-spy's stack until it changed, so one sample can
+        stand for a whole 100 ms backward.) The end of a backward run (its first
+        sample outside) is a candidate end; the start of a forward run is evidence
+        of an iteration, used to restore ends the samples missed.
+        """
+        batch = list(samples)
+        detector = self._function or self._optimizer
+        self._optimizer_ends += [b.t_mono_ns for b in detector.feed(batch)]
+        for s in batch:
+            phase = classify_phase(s.frames)
+            if phase == "optimizer":
+                self._optimizer_since_backward = True
+            if phase == self._run_phase:
+                self._outside_since = self._next_phase = None
+            else:
+                if self._outside_since is None:
+                    self._outside_since = s.t_mono_ns
+                if phase != self._next_phase:
+                    self._next_phase, self._next_since = phase, s.t_mono_ns
+                if s.t_mono_ns + s.duration_ns - self._next_since >= CONFIRM_NS:
+                    self._change_run(phase)
+            if phase == "optimizer" and self._candidates and self._after_backward:
+                self._candidates[-1].optimizer_after = True
+            self.watermark_ns = max(self.watermark_ns, s.t_mono_ns + s.duration_ns)
+
+    def _change_run(self, phase: str) -> None:
+        assert self._outside_since is not None and self._next_since is not None
+        if self._run_phase == "backward":
+            self._candidates.append(_Candidate(self._outside_since,
+                                               self._outside_since - self._run_since))
+            self._after_backward = True
+            # (an optimizer sample that came before the run changed marks it too)
+            self._candidates[-1].optimizer_after = self._optimizer_since_backward
+        if phase == "backward":
+            self._backward_seen = True
+            self._after_backward = self._optimizer_since_backward = False
+        if phase == "forward":
+            self._forward_starts.append(self._next_since)
+            self._after_backward = False
+        self._run_phase, self._run_since = phase, self._next_since
+        self._outside_since = self._next_phase = None
+
+    def read(self, read: CounterRead) -> None:
+        self._reads.append(read)
+
+    def take(self, final: bool = False) -> list[tuple[int, str]]:
+        """Iteration ends settled since the last call, in time order."""
+        self._group(final)
+        while self._reads and (final or self._reads[0].end_mono_ns + CONFIRM_NS
+                               <= self.watermark_ns):
+            self._settle(self._reads.pop(0))
+        if final or not self.expect_counter:
+            self._emit_until(None)
+        elif self._held and self._held[-1][0] - self._held[0][0] > MAX_HOLD_NS:
+            self._emit_until(self._held[-1][0] - MAX_HOLD_NS)
+        ready, self._ready = self._ready, []
+        return ready
+
+    # -- from candidates to ends -----------------------------------------------------
+
+    def _group(self, final: bool) -> None:
+        """Turn backward ends (or optimizer entries) into iteration ends."""
+        if self._function is not None or not self._backward_seen:
+            ends, self._optimizer_ends = self._optimizer_ends, []
+            for t in ends:
+                self._push(t)
+            return
+        self._optimizer_ends = []
+        self._check_candidates(final)
+        if self.microbatches is None:
+            self.microbatches = self._microbatches_from_optimizer(final)
+            if self.microbatches is None:
+                return  # wait: with M unknown, grouping would be wrong
+        m = self.microbatches
+        while self._checked:
+            candidate = self._checked.pop(0)
+            self._in_group += 1
+            # An optimizer step seen right after a backward run ends an iteration
+            # whatever the count says: it realigns the grouping after a lost run.
+            if self._in_group >= m or (m > 1 and candidate.optimizer_after):
+                self._push(candidate.t_mono_ns)
+                self._in_group = 0
+
+    def _check_candidates(self, final: bool) -> None:
+        """Move candidates to ``_checked``, with the ends of backward runs the samples missed.
+
+        Between two micro-batches' backward ends lies one forward run; more than
+        one means the samples missed whole backward runs, whose ends are restored
+        at the starts of the forward runs after the first. (Fewer proves nothing:
+        a 50 ms forward goes unsampled now and then.) And a backward run lasting
+        over twice the usual, about as long as k micro-batches, is k runs whose
+        forward, optimizer and data loading in between went unsampled.
+        """
+        while len(self._candidates) >= (1 if final else 2):
+            first = self._candidates.pop(0)
+            self._checked += self._split_long_run(first)
+            if not self._candidates:
+                break
+            nxt = self._candidates[0].t_mono_ns
+            starts = [f for f in self._forward_starts if first.t_mono_ns <= f < nxt]
+            self._checked += [_Candidate(f) for f in starts[1:]]
+
+    def _split_long_run(self, candidate: _Candidate) -> list[_Candidate]:
+        previous = self._checked[-1].t_mono_ns if self._checked else None
+        pieces = [candidate]
+        if len(self._runs) >= 10:
+            run, cycle = statistics.median(self._runs), statistics.median(self._cycles)
+            if candidate.run_ns > 2 * run and cycle > run:
+                k = round((candidate.run_ns + cycle - run) / cycle)
+                start = candidate.t_mono_ns - candidate.run_ns
+                pieces = [_Candidate(start + (candidate.run_ns * j) // k) for j in range(1, k)]
+                pieces.append(candidate)
+                return pieces  # (not a usual run: left out of the medians)
+        self._runs.append(candidate.run_ns)
+        if previous is not None:
+            self._cycles.append(candidate.t_mono_ns - previous)
+        return pieces
+
+    def _microbatches_from_optimizer(self, final: bool) -> int | None:
+        """M from the spacing (in backward runs) of the optimizer steps the samples saw.
+
+        None while undecided: until a few optimizer steps were seen, or the counter
+        is expected to say; 1 when nothing else can be known.
+        """
+        marked = [i for i, c in enumerate(self._checked) if c.optimizer_after]
+        # M: a spacing that most spacings equal and (nearly) all are multiples of.
+        # Under M = 1 with the optimizer seen only now and then, spacings are any
+        # numbers, seldom one value half the time; a lost backward run spoils one
+        # spacing, not that many. (With an optimizer step too short to be seen in
+        # most iterations, M stays 1 unless the job's counter says otherwise.)
+        spacings = [b - a for a, b in itertools.pairwise(marked)]
+        for needed, share in ((8, 0.8), (16, 0.7)):
+            if len(spacings) >= needed:
+                m = max((k for k in range(2, max(spacings) + 1)
+                         if sum(1 for g in spacings if g % k == 0) >= share * len(spacings)
+                         and spacings.count(k) >= len(spacings) / 2),
+                        default=1)
+                if m > 1:
+                    # Align: the backward run before a seen optimizer step ends an iteration.
+                    del self._checked[:(marked[0] + 1) % m]
+                    return m
+        if len(spacings) >= 16 or final or (
+                not self.expect_counter and len(marked) < 9 and len(self._checked) >= 64) or (
+                self._checked and self._checked[-1].t_mono_ns
+                - self._checked[0].t_mono_ns > MAX_HOLD_NS):
+            return 1
+        return None
+
+    def _push(self, t: int) -> None:
+        self._last_end = t
+        self._held.append((t, ""))
+        self._ends_total += 1
+
+    # -- the counter ------------------------------------------------------------------
+
+    def _count_until(self, t: int) -> int:
+        """Ends produced up to ``t``."""
+        later = sum(1 for end, _ in self._held if end > t)
+        return self._ends_total - later
+
+    def _settle(self, read: CounterRead) -> None:
+        """Compare the ends since the last clean read with the counter; repair the held ones."""
+        anchor_phase = "backward" if self._backward_seen else "forward"
+        if read.phase != anchor_phase:
+            return  # the counter may sit on either side of its increment: not comparable
+        before, self._anchor = self._anchor, read
+        if before is None:
+            self._emit_until(read.t_mono_ns)
+            return
+        increments = read.value - before.value
+        if increments < 0:  # the loop restarted: start over from this read
+            return
+        lo, hi = before.t_mono_ns, read.t_mono_ns
+        if self.microbatches is None and self._function is None and self._backward_seen:
+            if increments == 0:
+                self._anchor = before  # no step between them: wait for a later read
+                return
+            runs = sum(1 for c in (*self._checked, *self._candidates) if lo < c.t_mono_ns <= hi)
+            self.microbatches = max(1, round(runs / increments))
+            self._group(final=False)
+        counted = self._count_until(hi) - self._count_until(lo)
+        self._repair(lo, hi, increments - counted)
+        self._held = [(t, "counter" if lo < t <= hi else how) for t, how in self._held]
+        self._emit_until(hi)
+
+    def _repair(self, lo: int, hi: int, missing: int) -> None:
+        """Add ``missing`` ends (or remove ``-missing``) among the held ends in (lo, hi]."""
+        if missing == 0:
+            return
+        span = [i for i, (t, _) in enumerate(self._held) if lo < t <= hi]
+        if not span:
+            return
+        times = [self._held[i][0] for i in span]
+        first = span[0]
+        previous = (self._held[first - 1][0] if first > 0
+                    else self._last_emitted if self._last_emitted is not None else lo)
+        edges = [previous, *times]
+        for _ in range(max(0, missing)):
+            gaps = [(edges[i + 1] - edges[i], i) for i in range(len(edges) - 1)]
+            _, i = max(gaps)
+            edges.insert(i + 1, (edges[i] + edges[i + 1]) // 2)
+        for _ in range(max(0, -missing)):
+            if len(edges) <= 2:
+                break
+            gaps = [(edges[i + 1] - edges[i], i) for i in range(len(edges) - 1)]
+            _, i = min(gaps)
+            del edges[max(1, i)]
+        repaired = [(t, "counter") for t in edges[1:]]  # (labelled by the caller)
+        self._ends_total += len(repaired) - len(span)
+        self._held[first:span[-1] + 1] = repaired
+        self._last_end = self._held[-1][0] if self._held else self._last_end
+
+    def _emit_until(self, t: int | None) -> None:
+        """Pass on the held ends up to ``t`` (all when None)."""
+        label = self.estimator
+        keep = []
+        for end, how in self._held:
+            if t is None or end <= t:
+                self._ready.append((end, how or label))
+                self._last_emitted = end
+            else:
+                keep.append((end, how))
+        self._held = keep
