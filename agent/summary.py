@@ -79,6 +79,38 @@ class SummaryFile:
         return True
 
 
+_FACT_TYPES: dict[str, tuple[type, ...]] = {
+    "workload": (dict,), "primary_pid": (int,), "attach_monotonic_ns": (int,),
+    "start_time": (str,), "log_interval": (int,),
+}
+_NUMBER = (int, float, type(None))
+
+
+def check_facts(facts: object, source: str) -> None:
+    """Raise EventLogError unless ``facts`` hold what replaying the log needs, rightly typed."""
+    if not isinstance(facts, dict):
+        raise EventLogError(f"{source}: session_start record lacks session facts")
+    for name, types in _FACT_TYPES.items():
+        if not isinstance(facts.get(name), types) or isinstance(facts.get(name), bool):
+            raise EventLogError(f"{source}: session facts: {name!r} missing or of the wrong type")
+    if facts["log_interval"] < 1:
+        raise EventLogError(f"{source}: session facts: 'log_interval' must be positive")
+    limit = facts.get("iteration_logs_max_entries")
+    if limit is not None and (not isinstance(limit, int) or limit < 2):
+        raise EventLogError(f"{source}: session facts: 'iteration_logs_max_entries' is wrong")
+    workload = facts["workload"]
+    for key in Workload.__dataclass_fields__:
+        value = workload.get(key)
+        counts = key in ("world_size", "data_parallel_size") and key in workload
+        if (not isinstance(value, _NUMBER) or isinstance(value, bool)
+                or (counts and not (isinstance(value, int) and value >= 1))):
+            raise EventLogError(f"{source}: session facts: workload {key!r} is not a number")
+    try:
+        datetime.fromisoformat(facts["start_time"])
+    except ValueError:
+        raise EventLogError(f"{source}: session facts: 'start_time' is not a time") from None
+
+
 def aggregator_for(facts: dict[str, Any]) -> StepAggregator:
     """A fresh aggregator for the session that ``facts`` (session_info at start) describe."""
     return StepAggregator(
@@ -173,10 +205,8 @@ def rebuild_from_event_log(path: Path) -> Rebuilt:
     records = iter(stream)
     first = next(records)
     facts = first["session"]
-    try:
-        aggregator = aggregator_for(facts)
-    except (KeyError, TypeError, ValueError) as err:
-        raise EventLogError(f"{path}: session_start record lacks session facts ({err})") from err
+    check_facts(facts, str(parts[0]))
+    aggregator = aggregator_for(facts)
     last_ns = first["t_mono_ns"]
     feed = aggregator.feed
     for record in records:

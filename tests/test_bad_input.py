@@ -164,3 +164,41 @@ def test_no_ptrace_right_in_pyspy_mode_names_cap_sys_ptrace(agent, start_target,
                     prefix=("setpriv", "--bounding-set=-all", "--inh-caps=-all"))
     assert run.returncode == 4, run.stderr
     assert "CAP_SYS_PTRACE" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["attach", "--pid", "-5"], "--pid"),
+    (["attach", "--pid", "0"], "--pid"),
+    (["attach", "--pid", "1", "--iteration-function", "Optimizer.(step"],
+     "--iteration-function: not a valid regular expression"),
+    (["attach", "--pid", "1", "--duration", "nan"], "--duration"),
+    (["stacks", "--pid", "1", "--timeout", "0"], "--timeout"),
+    (["stacks", "--pid", "1", "--timeout", "nan"], "--timeout"),
+    (["stacks", "--pid", "1", "--timeout", "-1"], "--timeout"),
+    (["flops", "--model-preset", "llama2-7b", "--global-batch-size", "0"],
+     "--global-batch-size"),
+    (["health", "--window", "nan"], "--window"),
+    (["health", "--gpus", "-1"], "--gpus"),
+])
+def test_bad_values_are_one_usage_line(agent, args, needle):
+    run = agent.run(*args)
+    assert run.returncode == 2, run.stderr
+    (line,) = run.stderr.splitlines()
+    assert needle in line and "error:" in line and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "not UTF-8 text"),
+    (b"num_layers: 2\x00\x00binary", "binary data"),
+    (b"[" * 5000, "nested deeper than 32 levels"),
+    (b"num_layers: 123456789012345678901234567\n", "'num_layers' must be at most 100,000"),
+    (b"a: &x [*x, *x]\nb: *x\n", "unknown key"),
+])
+def test_model_config_files_that_are_not_model_configs_are_one_line(
+    agent, out_dir, tmp_path, content, needle
+):
+    config = tmp_path / "model.yaml"
+    config.write_bytes(content)
+    run = agent.run("attach", "--pid", "999999999", "--model-config", str(config),
+                    "--output-dir", str(out_dir), timeout_s=30)
+    assert_one_line(run, 2, "model.yaml", needle)

@@ -275,6 +275,9 @@ def test_a_log_cut_anywhere_rebuilds_up_to_the_cut(tmp_path: Path):
 @pytest.mark.parametrize(("content", "needle"), [
     (msgpack.packb({"type": "session_start", "t_mono_ns": 1, "session": {"log_interval": "x"}}),
      "session facts"),
+    (msgpack.packb({"type": "session_start", "t_mono_ns": 1, "session": {
+        **eventlogs.session_facts(), "workload": {"flops_per_sample": "lots"}}}),
+     "workload 'flops_per_sample' is not a number"),
     (b"\xdb\xff\xff\xff\xff" + b"x" * 100, "not a perfmon event log"),  # a 4 GiB string header
     (b"\x91" * 100_000, "not a perfmon event log"),  # arrays nested 100,000 deep
     (b"", "not a perfmon event log"),
