@@ -44,9 +44,11 @@ def write_log(path: Path, gib: float, mix: str) -> int:
 
 def summarize_once(log: Path) -> tuple[float, float]:
     """(seconds, peak RSS in MB) of one `summarize` in its own process."""
-    code = ("import resource, sys; from perfmon.agent.cli import main; rc = main(sys.argv[1:]); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); "
-            "sys.exit(rc)")
+    # VmHWM: this process's own peak (ru_maxrss would include the forking parent's,
+    # which Linux carries across exec).
+    code = ("import re, sys; from perfmon.agent.cli import main; rc = main(sys.argv[1:]); "
+            "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1], "
+            "file=sys.stderr); sys.exit(rc)")
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-c", code, "summarize", str(log), "--output",
