@@ -162,6 +162,7 @@ def compile_step_program(file_name: str, cflags: list[str]) -> Any:
     """
     from bcc import BPF
 
+    pass_zero_ref_ctr_offset()
     source = resources.files("perfmon.probes").joinpath(f"{_BPF_DIR}/{file_name}").read_bytes()
     try:
         bpf = BPF(text=source, cflags=[*cflags, *_step_name_cflags()])
@@ -172,6 +173,35 @@ def compile_step_program(file_name: str, cflags: list[str]) -> Any:
         ) from err
     _fill_step_prefixes(bpf)
     return bpf
+
+
+def pass_zero_ref_ctr_offset() -> None:
+    """Make bcc's Python attach uprobes with a reference-counter offset of 0.
+
+    libbcc's ``bpf_attach_uprobe`` takes a 7th argument, ``ref_ctr_offset`` (the
+    file offset of a USDT semaphore the kernel increments in every traced
+    process), but bcc 0.26's Python declares and passes only six, so the C side
+    reads whatever the stack holds. A non-zero value makes the kernel write into
+    the target's memory at that offset of the probed library (seen: 0x6, the
+    ELF header), and makes every later uprobe on that function fail with
+    "ref_ctr_offset mismatch". The agent must never write into a job, so the
+    call is wrapped to pass 0 explicitly. Idempotent; a bcc that declares the
+    argument already is left alone.
+    """
+    import ctypes as ct
+
+    from bcc import libbcc
+
+    attach = libbcc.lib.bpf_attach_uprobe
+    if getattr(attach, "perfmon_zero_ref_ctr", False) or len(attach.argtypes or ()) != 6:
+        return
+    attach.argtypes = [*attach.argtypes, ct.c_uint32]
+
+    def with_zero_ref_ctr(*args: Any) -> int:  # bcc passes the first six
+        return int(attach(*args, 0))
+
+    with_zero_ref_ctr.perfmon_zero_ref_ctr = True  # type: ignore[attr-defined]
+    libbcc.lib.bpf_attach_uprobe = with_zero_ref_ctr
 
 
 def _step_name_cflags() -> list[str]:

@@ -195,3 +195,36 @@ def test_tokens_and_samples_per_second_need_only_the_batch_and_sequence_length(
     assert stats["avg_tflops_per_gpu"] is None and stats["mfu"] is None
     assert all(e["tokens_per_sec"] > 0 for e in summary["iteration_logs"])
     assert summary["session_info"]["model"]["global_batch_size"] == "given"
+
+
+def test_probing_writes_nothing_into_the_target(start_target):
+    """bcc 0.26's Python passes no ref_ctr_offset to libbcc, whose 7th argument then takes
+    whatever the stack holds, and the kernel increments a counter at that offset of the
+    library in the target's memory. The agent passes 0: the mapped library stays as on disk."""
+    from perfmon.probes.procfs import inspect_process
+    from perfmon.probes.uprobes import MarkerProbe
+
+    target = start_target()
+    process = inspect_process(target.pid)
+    mapping = process.torch_mapping
+    span = 1 << 20  # the ELF headers and the first code pages
+
+    def mapped() -> bytes:
+        with open(f"/proc/{target.pid}/mem", "rb") as mem:
+            mem.seek(mapping.start_address)
+            return mem.read(span)
+
+    on_disk = open(process.torch_library, "rb").read(span)
+    assert mapped() == on_disk
+    probe = MarkerProbe([process])
+    probe.start()
+    try:
+        from bcc import libbcc
+
+        assert getattr(libbcc.lib.bpf_attach_uprobe, "perfmon_zero_ref_ctr", False) or len(
+            libbcc.lib.bpf_attach_uprobe.argtypes) == 7
+        target.wait_for_iterations(len(target.timestamps()) + 5)
+        assert mapped() == on_disk
+        assert probe.poll()  # and the probes work
+    finally:
+        probe.close()
