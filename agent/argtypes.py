@@ -30,6 +30,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def power_of_two(text: str) -> int:
+    """A positive power of two (a ring buffer's size in pages)."""
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two, got {value}")
+    return value
+
+
 def pid(text: str) -> int:
     """A process id: a positive integer that fits pid_t (whether it exists is checked later)."""
     value = positive_int(text)

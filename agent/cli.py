@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from perfmon.agent.aggregate import DEFAULT_MAX_LOG_ENTRIES
 from perfmon.agent.argtypes import (
     OneLineParser,
     pid,
     positive_float,
     positive_int,
+    power_of_two,
     regex,
 )
 from perfmon.agent.console import (
@@ -31,12 +31,14 @@ from perfmon.agent.eventlog import DEFAULT_PART_BYTES
 from perfmon.agent.flops_report import FLOPS_EPILOG, add_flops_arguments, flops_main
 from perfmon.agent.health import HEALTH_DESCRIPTION, add_health_arguments, health_main
 from perfmon.agent.outputs import json_bytes, write_user_file
+from perfmon.agent.reducers import DEFAULT_MAX_LOG_ENTRIES
 from perfmon.agent.session import AttachOptions, MonitorSession
 from perfmon.agent.stacks import add_stacks_arguments, stacks_main
 from perfmon.agent.summary import rebuild_from_event_log
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.peak_tflops import DTYPES
 from perfmon.probes.pyspy import DEFAULT_RATE_HZ
+from perfmon.probes.uprobes import DEFAULT_RING_PAGES
 from rich.console import Console
 from rich.table import Table
 
@@ -117,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="uprobe: exact, needs eBPF; pyspy: from stack samples, needs only ptrace; "
         "auto: uprobe, else pyspy with a warning (default: %(default)s)",
     )
+    attach.add_argument(
+        "--probe-backend", choices=("auto", "bcc", "tracefs"), default="auto",
+        help="how uprobes are attached: bcc (eBPF; needs bcc and kernel headers), tracefs "
+        "(dynamic uprobe events; no compiler, no headers), auto: bcc, else tracefs with a "
+        "warning (default: %(default)s)")
+    attach.add_argument(
+        "--ring-buffer-pages", type=power_of_two, default=DEFAULT_RING_PAGES, metavar="N",
+        help="the bcc marker probe's ring buffer, a power of two of 4 KiB pages; raise it "
+        "when data_quality reports events_dropped (default: %(default)s)")
     attach.add_argument("--iteration-function", type=regex, metavar="REGEX",
                         help="pyspy mode: an iteration starts on entering a function whose "
                         "name matches (default: torch.optim Optimizer.step)")
@@ -186,6 +197,11 @@ def progress_line(entry: dict[str, Any]) -> str:
     )
 
 
+def _quality_row(stats: dict[str, Any]) -> str:
+    losses = (stats.get("data_quality") or {}).get("losses") or []
+    return f"{len(losses)} loss(es): see the warnings" if losses else "nothing missed"
+
+
 def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -> None:
     info, stats = summary["session_info"], summary["final_statistics"]
     table = Table(title=f"perf summary: pid {info['pid']} ({info['total_iterations']} iterations)")
@@ -203,6 +219,8 @@ def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -
         ("micro-batches per step", _fmt(stats["microbatches_per_step"], "d")),
         ("peak memory", _fmt(stats["peak_memory_gb"], ".2f", " GB")),
         ("model source", str(info["model"].get("source", "none"))),
+        ("iterations from", str(stats.get("iteration_estimator") or "-")),
+        ("data quality", _quality_row(stats)),
         ("ended", str(info["end_reason"])),
     ]
     for name, value in rows:
@@ -218,7 +236,9 @@ def _attach(args: argparse.Namespace) -> int:
         pid=args.pid, model_config=args.model_config, model_preset=args.model_preset,
         output_dir=args.output_dir, log_interval=args.log_interval, duration_s=args.duration,
         peak_tflops=args.peak_tflops, dtype=args.dtype, health_check=args.health_check,
-        iteration_source=args.iteration_source, iteration_function=args.iteration_function,
+        iteration_source=args.iteration_source, probe_backend=args.probe_backend,
+        ring_pages=args.ring_buffer_pages,
+        iteration_function=args.iteration_function,
         iteration_variable=args.iteration_variable, stack_sampling=not args.no_stack_sampling,
         stack_rate_hz=args.stack_rate, hang_factor=args.hang_factor,
         hang_timeout_s=args.hang_timeout, allow_shared_output_dir=args.allow_shared_output_dir,
@@ -233,6 +253,8 @@ def _attach(args: argparse.Namespace) -> int:
         out.write(json.dumps(result.summary, indent=2) + "\n")
     else:
         out.table(lambda: print_summary_table(out.console, result.summary, result.summary_path))
+    for loss in result.summary["final_statistics"]["data_quality"]["losses"]:
+        warn(f"data quality: {loss}")
     if result.write_error is not None:
         raise result.write_error
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from perfmon.agent.aggregate import Workload
 from perfmon.parsers.errors import ModelConfigError
 from perfmon.parsers.flops import model_flops_per_iteration
 from perfmon.parsers.hf_config import hf_config_to_fields, parse_hf_config
@@ -36,6 +35,32 @@ from perfmon.probes.files import (
     read_user_file,
 )
 from perfmon.probes.procfs import TargetProcess
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one iteration computes; None where unknown."""
+
+    flops_per_sample: float | None = None
+    hardware_flops_per_sample: float | None = None  # with recomputation; None without
+    seq_length: int | None = None
+    global_batch_size: int | None = None  # as given; else derived per iteration
+    micro_batch_size: int | None = None
+    data_parallel_size: int = 1
+    world_size: int = 1
+    peak_tflops: float | None = None
+
+    def samples(self, microbatches: int | None) -> int | None:
+        """Samples in one iteration: given, or micro batch x micro-batches x DP."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        if self.micro_batch_size is not None and microbatches:
+            return self.micro_batch_size * microbatches * self.data_parallel_size
+        return None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Workload:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})  # type: ignore[arg-type]
 
 
 def read_model_config_file(path: str) -> dict[str, Any]:

@@ -16,39 +16,27 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from perfmon.agent.aggregate import StepAggregator, Workload
 from perfmon.agent.eventlog import part_name
+from perfmon.agent.model import Workload
 from perfmon.agent.outputs import WRITE_ERRNOS, OutputDir, finite, json_bytes
+from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.errors import EventLogError
 from perfmon.parsers.events import EventLogReader
 from perfmon.probes.files import InputFileError, open_user_file
 
 
-def build_summary(session: dict[str, Any], aggregator: StepAggregator) -> dict[str, Any]:
-    """The summary document for the records the aggregator has seen so far.
+def build_summary(session: dict[str, Any], summarizer: Summarizer) -> dict[str, Any]:
+    """The summary document for the records the summarizer has seen so far.
 
     ``end_time`` is null while the session runs; ``end_reason`` says why it
-    ended (target_exited, duration, SIGINT, SIGTERM, SIGHUP, error, or
-    log_truncated for a summary rebuilt from the log of an agent that was killed).
+    ended (target_exited, duration, SIGINT, SIGTERM, SIGHUP, stdout_closed, error,
+    or log_truncated for a summary rebuilt from the log of an agent that was killed).
     """
-    info = dict(session)
-    end_ns = aggregator.end_t_mono_ns
-    info["end_time"] = aggregator.wall_time(end_ns) if end_ns is not None else None
-    info["detach_monotonic_ns"] = end_ns
-    info["end_reason"] = aggregator.end_reason
-    info["total_iterations"] = aggregator.iterations_ended
-    info["hung"] = bool(aggregator.hangs) and aggregator.hangs[-1]["recovered_at"] is None
-    info["iteration_logs_kept_one_in"] = aggregator.log_stride
-    if aggregator.job_iteration_offset is not None:
-        info["iteration_numbering"] = (
-            f"the job's own (local variable '{aggregator.job_iteration_variable}')")
-    return finite(
-        {
-            "session_info": info,
-            "final_statistics": aggregator.final_statistics(),
-            "iteration_logs": aggregator.iteration_logs,
-        }
-    )
+    return finite({
+        "session_info": {**session, **summarizer.session_fields()},
+        "final_statistics": summarizer.final_statistics(),
+        "iteration_logs": summarizer.iteration_logs,
+    })
 
 
 class SummaryFile:
@@ -111,15 +99,17 @@ def check_facts(facts: object, source: str) -> None:
         raise EventLogError(f"{source}: session facts: 'start_time' is not a time") from None
 
 
-def aggregator_for(facts: dict[str, Any]) -> StepAggregator:
-    """A fresh aggregator for the session that ``facts`` (session_info at start) describe."""
-    return StepAggregator(
+def summarizer_for(facts: dict[str, Any]) -> Summarizer:
+    """A fresh summarizer for the session that ``facts`` (session_info at start) describe."""
+    sampling = facts.get("stack_sampling", False)
+    return Summarizer(
         Workload.from_dict(facts["workload"]),
         facts["primary_pid"],
         facts["attach_monotonic_ns"],
         datetime.fromisoformat(facts["start_time"]).timestamp(),
         facts["log_interval"],
-        stack_sampling=facts.get("stack_sampling", False),
+        stack_sampling=bool(sampling),
+        phases_continuous=facts.get("stack_sampling_duty", 1.0) >= 1.0,
         cuda_counters=facts.get("cuda", {}).get("available", False),
         max_log_entries=facts.get("iteration_logs_max_entries"),
     )
@@ -206,16 +196,15 @@ def rebuild_from_event_log(path: Path) -> Rebuilt:
     first = next(records)
     facts = first["session"]
     check_facts(facts, str(parts[0]))
-    aggregator = aggregator_for(facts)
+    summarizer = summarizer_for(facts)
     last_ns = first["t_mono_ns"]
-    feed = aggregator.feed
+    feed = summarizer.feed
     for record in records:
         feed(record)
         last_ns = max(last_ns, record["t_mono_ns"])
-    truncated = aggregator.end_reason is None
-    if truncated:
-        aggregator.feed({"type": "session_end", "t_mono_ns": last_ns, "reason": "log_truncated"})
-    summary = build_summary(facts, aggregator)
+    if summarizer.end_reason is None:
+        summarizer.feed({"type": "session_end", "t_mono_ns": last_ns, "reason": "log_truncated"})
+    summary = build_summary(facts, summarizer)
     summary["session_info"]["rebuilt_from_event_log"] = True
     summary["session_info"]["event_log_tail_cut"] = stream.tail_cut
     summary["session_info"]["event_log_parts"] = len(parts)

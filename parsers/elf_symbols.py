@@ -1,4 +1,5 @@
-"""Exported function symbols from an ELF64 shared library's dynamic symbol table.
+"""Exported function symbols from an ELF64 shared library's dynamic symbol table,
+and the PT_LOAD program headers that turn a symbol's address into a file offset.
 
 Pure: takes any bytes-like buffer (``bytes`` or an ``mmap`` of the file) and
 returns data. Hand-written rather than pyelftools because libtorch_cpu.so is
@@ -34,18 +35,76 @@ _STT_FUNC = 2
 _SHN_UNDEF = 0
 _SYM = struct.Struct("<IBBHQQ")  # Elf64_Sym: name, info, other, shndx, value, size
 _SHDR = struct.Struct("<IIQQQQIIQQ")  # Elf64_Shdr
+_PHDR = struct.Struct("<IIQQQQQQ")  # Elf64_Phdr: type, flags, offset, vaddr, paddr, filesz, ...
+_PT_LOAD = 1
+_PN_XNUM = 0xFFFF  # e_phnum when the count lives in section 0's sh_info
 
 
-def _sections(buf: bytes | memoryview) -> list[tuple[int, ...]]:
+@dataclass(frozen=True)
+class LoadSegment:
+    """A PT_LOAD program header: ``file_size_bytes`` bytes of the file from
+    ``file_offset`` are mapped at ``virtual_address`` (relative to the load base)."""
+
+    file_offset: int  # p_offset
+    virtual_address: int  # p_vaddr
+    file_size_bytes: int  # p_filesz (the rest of p_memsz is zero-filled, not in the file)
+
+
+def _check_header(buf: bytes | memoryview) -> None:
     if bytes(buf[:4]) != b"\x7fELF":
         raise ElfError("not an ELF file")
     if buf[4] != 2 or buf[5] != 1:
         raise ElfError("only 64-bit little-endian ELF is supported")
+
+
+def _sections(buf: bytes | memoryview) -> list[tuple[int, ...]]:
+    _check_header(buf)
     e_shoff = struct.unpack_from("<Q", buf, 0x28)[0]
     e_shentsize, e_shnum = struct.unpack_from("<HH", buf, 0x3A)
     if e_shoff == 0 or e_shentsize != _SHDR.size:
         raise ElfError("ELF file has no section headers")
     return [_SHDR.unpack_from(buf, e_shoff + i * e_shentsize) for i in range(e_shnum)]
+
+
+def load_segments(buf: bytes | memoryview) -> list[LoadSegment]:
+    """The PT_LOAD program headers of an ELF64 LE file, in file order.
+
+    Raises :class:`ElfError` for a buffer that is not ELF64 LE or whose program
+    headers lie outside it.
+    """
+    _check_header(buf)
+    e_phoff = struct.unpack_from("<Q", buf, 0x20)[0]
+    e_phentsize, e_phnum = struct.unpack_from("<HH", buf, 0x36)
+    if e_phoff == 0 or e_phnum == 0:
+        raise ElfError("ELF file has no program headers")
+    if e_phentsize != _PHDR.size:
+        raise ElfError(f"unexpected program header size {e_phentsize}")
+    if e_phnum == _PN_XNUM:  # more than 65534 headers: the count is section 0's sh_info
+        e_phnum = _sections(buf)[0][7]
+    if e_phoff + e_phnum * e_phentsize > len(buf):
+        raise ElfError("ELF program headers lie beyond the end of the file")
+    segments = []
+    for i in range(e_phnum):
+        p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz, _memsz, _align = _PHDR.unpack_from(
+            buf, e_phoff + i * e_phentsize)
+        if p_type == _PT_LOAD:
+            segments.append(LoadSegment(p_offset, p_vaddr, p_filesz))
+    return segments
+
+
+def file_offset(segments: Iterable[LoadSegment], address: int) -> int:
+    """The file offset of virtual address ``address`` (e.g. a symbol's st_value).
+
+    Uprobes name a probe point by file offset (``PATH:OFFSET``), and a
+    library's code segment need not be mapped at its file offset (lld and gold
+    shift it by a page or more). Raises :class:`ElfError` when no PT_LOAD
+    segment holds ``address`` within its file bytes (an address in ``.bss``,
+    or outside the library).
+    """
+    for seg in segments:
+        if seg.virtual_address <= address < seg.virtual_address + seg.file_size_bytes:
+            return address - seg.virtual_address + seg.file_offset
+    raise ElfError(f"no PT_LOAD segment holds address {address:#x} in the file")
 
 
 def find_function_symbols(

@@ -1,38 +1,31 @@
-"""The event log's records and their decoding from a stream (pure: no files opened here).
+"""The event log's records: one frozen dataclass per type, and their decoding (pure).
 
-The log is a stream of msgpack maps, each with a ``type``. It is appended as
-events arrive, so a killed agent leaves a log whose last record may be cut
-short; decoding stops cleanly there and says so. Records are read one at a
-time from the stream with a bounded buffer, so a log of any size is read in
-flat memory.
+Every source emits these records; the session logs them (``to_record``) as msgpack
+maps and feeds the same maps to the reducers, and ``summarize`` reads them back:
+one definition for the log, the reducers and the docs (docs/events.md is
+checked against :func:`records_table`). The log is appended as events arrive,
+so a killed agent leaves a log whose last record may be cut short; decoding
+stops cleanly there and says so. Records are read one at a time from a stream
+with a bounded buffer, so a log of any size is read in flat memory.
 
-Record types and the fields each must have (more may follow):
-- ``session_start``: ``t_mono_ns``, ``session`` (the static session facts: pids,
-  command line, host, model, batch, world size, ...)
-- ``log_part``: ``t_mono_ns``, ``part``: first record of each later part of a
-  rotated log (perf_events_<ts>.part<N>.msgpack)
-- ``marker``: ``t_mono_ns``, ``pid``, ``tid``, ``kind`` (one of MARKER_KINDS), ``name``
-- ``phase``: ``t_mono_ns``, ``end_mono_ns``, ``pid``, ``phase``
-- ``process``: ``t_mono_ns``, ``pid``, ``rss_bytes``, ``peak_rss_bytes`` (int or null)
-- ``gpu``: ``t_mono_ns``, ``gpus`` (one map per GPU)
-- ``xid``: ``t_mono_ns``, ``gpu_index``, ``xid``
-- ``ecc``: ``t_mono_ns``, ``gpu_index``, ``kind``, ``count``
-- ``cuda``: ``t_mono_ns``, ``pid``, ``at_step``, ``kernel_launches``, ``sync_wait_ns``,
-  ``graph_launches``, ``nccl_calls``, ``nccl_bytes``
-- ``job_iteration``: ``t_mono_ns``, ``end_mono_ns``, ``pid``, ``value``, ``name``
-- ``hang``: ``t_mono_ns``, ``last_iteration_mono_ns``, ``threshold_s``, ``frame``, ``report``
-- ``hang_recovered``: ``t_mono_ns``
-- ``lost``: ``t_mono_ns``, ``count`` (events the kernel could not deliver)
-- ``session_end``: ``t_mono_ns``, ``reason``
+Record order: the session sorts each poll's records from all sources by
+``(t_mono_ns, TYPE_ORDER)`` before logging them (see ``sort_key``); replay feeds
+them in log order, so live and replayed summaries are the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from collections.abc import Iterator
-from typing import IO, Any
+from dataclasses import dataclass, field
+from typing import IO, Any, ClassVar
 
 import msgpack
 from perfmon.parsers.errors import EventLogError
+
+SCHEMA_VERSION = 2
 
 MARKER_KINDS = (
     "optimizer_step",
@@ -42,56 +35,242 @@ MARKER_KINDS = (
     "backward_exit",
 )
 
-# The largest record a log may hold; a record longer than this is corruption.
-MAX_RECORD_BYTES = 16 << 20
-_READ_BYTES = 1 << 20
 
-_INT = (int,)
-_NUM = (int, float)
-_STR = (str,)
-_OPT_INT = (int, type(None))
-RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "session_start": {"t_mono_ns": _INT, "session": (dict,)},
-    "log_part": {"t_mono_ns": _INT, "part": _INT},
-    "marker": {"t_mono_ns": _INT, "pid": _INT, "tid": _INT, "kind": _STR, "name": _STR},
-    "phase": {"t_mono_ns": _INT, "end_mono_ns": _INT, "pid": _INT, "phase": _STR},
-    "process": {"t_mono_ns": _INT, "pid": _INT, "rss_bytes": _INT, "peak_rss_bytes": _OPT_INT},
-    "gpu": {"t_mono_ns": _INT, "gpus": (list,)},
-    "xid": {"t_mono_ns": _INT, "gpu_index": _INT, "xid": _INT},
-    "ecc": {"t_mono_ns": _INT, "gpu_index": _INT, "kind": _STR, "count": _INT},
-    "cuda": {"t_mono_ns": _INT, "pid": _INT, "at_step": (bool,), "kernel_launches": _INT,
-             "sync_wait_ns": _INT, "graph_launches": _INT, "nccl_calls": (dict,),
-             "nccl_bytes": (dict,)},
-    "job_iteration": {"t_mono_ns": _INT, "end_mono_ns": _INT, "pid": _INT, "value": _INT,
-                      "name": _STR},
-    "hang": {"t_mono_ns": _INT, "last_iteration_mono_ns": _INT, "threshold_s": _NUM,
-             "frame": _STR, "report": _STR},
-    "hang_recovered": {"t_mono_ns": _INT},
-    "lost": {"t_mono_ns": _INT, "count": _INT},
-    "session_end": {"t_mono_ns": _INT, "reason": _STR},
-}
+@dataclass(frozen=True)
+class Record:
+    """Base of every record: a CLOCK_MONOTONIC time in nanoseconds."""
+
+    TYPE: ClassVar[str] = ""
+    t_mono_ns: int
+
+    def to_record(self) -> dict[str, Any]:
+        """The msgpack map logged for this record (shallow: nested values as they are)."""
+        out: dict[str, Any] = {"type": self.TYPE}
+        for f in dataclasses.fields(self):
+            out[f.name] = getattr(self, f.name)
+        return out
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Record:
+        """The typed record of a map of this type; ValueError when it is malformed."""
+        problem = record_problem(record)
+        if problem is not None or record.get("type") != cls.TYPE:
+            raise ValueError(problem or f"not a {cls.TYPE} record")
+        return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls)
+                      if f.name in record})
+
+
+@dataclass(frozen=True)
+class SessionStart(Record):
+    """The session's static facts (session_info at attach: pids, model, workload...)."""
+
+    TYPE: ClassVar[str] = "session_start"
+    session: dict[str, Any]
+    schema_version: int = SCHEMA_VERSION
+
+
+@dataclass(frozen=True)
+class LogPart(Record):
+    """First record of each later part of a rotated log (perf_events_<ts>.part<N>.msgpack)."""
+
+    TYPE: ClassVar[str] = "log_part"
+    part: int
+
+
+@dataclass(frozen=True)
+class Marker(Record):
+    """A training-step marker of one thread: ``kind`` one of MARKER_KINDS; ``name`` the
+    record_function name (uprobes) or ``pyspy:<estimator>`` (stack samples)."""
+
+    TYPE: ClassVar[str] = "marker"
+    pid: int
+    tid: int
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Phase(Record):
+    """A span of the primary rank's training thread in one phase (py-spy samples)."""
+
+    TYPE: ClassVar[str] = "phase"
+    end_mono_ns: int
+    pid: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class ProcessSample(Record):
+    """Resident memory of one rank; ``peak_rss_bytes`` its lifetime peak (VmHWM)."""
+
+    TYPE: ClassVar[str] = "process"
+    pid: int
+    rss_bytes: int
+    peak_rss_bytes: int | None
+
+
+@dataclass(frozen=True)
+class GpuSamples(Record):
+    """One NVML sample of every GPU (one map per GPU: perfmon.probes.nvml.GpuSample)."""
+
+    TYPE: ClassVar[str] = "gpu"
+    gpus: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Xid(Record):
+    """An XID event NVML reported."""
+
+    TYPE: ClassVar[str] = "xid"
+    gpu_index: int
+    xid: int
+
+
+@dataclass(frozen=True)
+class Ecc(Record):
+    """New volatile ECC errors (``kind`` corrected or uncorrected) since the last read."""
+
+    TYPE: ClassVar[str] = "ecc"
+    gpu_index: int
+    kind: str
+    count: int
+
+
+@dataclass(frozen=True)
+class CudaSnapshot(Record):
+    """A rank's cumulative CUDA/NCCL counters, copied in the kernel at an Optimizer.step
+    entry (``at_step``); ``launches_probed``: the launch probes were attached since the
+    previous snapshot (perfmon.probes.cuda, sampled launch counting)."""
+
+    TYPE: ClassVar[str] = "cuda"
+    pid: int
+    at_step: bool
+    kernel_launches: int
+    sync_wait_ns: int
+    graph_launches: int
+    nccl_calls: dict[str, int]
+    nccl_bytes: dict[str, int]
+    runtime_launches: int = 0
+    driver_launches: int = 0
+    forwarded_launches: int = 0
+    sync_calls: int = 0
+    sync_untracked: int = 0
+    nccl_unknown_dtype_calls: int = 0
+    launches_probed: bool = True
+
+
+@dataclass(frozen=True)
+class JobIteration(Record):
+    """A read of the job's own iteration counter (a local variable) between
+    ``t_mono_ns`` and ``end_mono_ns``."""
+
+    TYPE: ClassVar[str] = "job_iteration"
+    end_mono_ns: int
+    pid: int
+    value: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Hang(Record):
+    """No iteration for ``threshold_s``: where the ranks wait and the report's path."""
+
+    TYPE: ClassVar[str] = "hang"
+    last_iteration_mono_ns: int
+    threshold_s: float
+    frame: str
+    report: str
+
+
+@dataclass(frozen=True)
+class HangRecovered(Record):
+    """Iterations resumed after a hang."""
+
+    TYPE: ClassVar[str] = "hang_recovered"
+
+
+@dataclass(frozen=True)
+class Quality(Record):
+    """What a source saw and missed so far (cumulative counters, by name)."""
+
+    TYPE: ClassVar[str] = "quality"
+    source: str
+    counters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SessionEnd(Record):
+    """The end of the window (``reason``: target_exited, duration, SIGTERM, ...)."""
+
+    TYPE: ClassVar[str] = "session_end"
+    reason: str
+
+
+RECORD_TYPES: tuple[type[Record], ...] = (
+    SessionStart, LogPart, Quality, CudaSnapshot, Marker, JobIteration, Phase,
+    ProcessSample, GpuSamples, Xid, Ecc, Hang, HangRecovered, SessionEnd,
+)
+BY_TYPE: dict[str, type[Record]] = {cls.TYPE: cls for cls in RECORD_TYPES}
+# Ties in time are ordered by type, as RECORD_TYPES lists them: a CUDA snapshot
+# taken at an Optimizer.step before the marker of that step.
+TYPE_ORDER = {cls.TYPE: rank for rank, cls in enumerate(RECORD_TYPES)}
+
+
+def sort_key(record: dict[str, Any]) -> tuple[int, int]:
+    """(t_mono_ns, rank of its type): the order records of one poll are logged in."""
+    return record["t_mono_ns"], TYPE_ORDER.get(record["type"], len(TYPE_ORDER))
+
+
+def _runtime_types(annotation: Any) -> tuple[type, ...]:
+    """Accepted runtime types of a field annotation; the usual one first."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return tuple(t for arg in typing.get_args(annotation) for t in _runtime_types(arg))
+    if annotation is type(None):
+        return (type(None),)
+    if annotation is float:
+        return (float, int)
+    if origin is not None:
+        return (origin,) if origin is not list else (list, tuple)
+    return (annotation,)
+
+
+def _fields(cls: type[Record]) -> dict[str, tuple[tuple[type, ...], bool]]:
+    """name -> (accepted types, required) for a record class (t_mono_ns first)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (_runtime_types(hints[f.name]),
+                     f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)  # type: ignore[misc]
+            for f in dataclasses.fields(cls)}
+
+
+RECORD_FIELDS = {cls.TYPE: _fields(cls) for cls in RECORD_TYPES}
 
 
 def _fast_checks() -> dict[str, Any]:
-    """Per record type, a function true when every field has its usual type.
+    """Per record type, a function true when every field present has its usual type.
 
     Generated once (as namedtuple generates its classes): one boolean expression
     per type, so a well-formed record (nearly all) is checked in a few hundred
     nanoseconds; any other goes through record_problem's field-by-field check.
     """
-    namespace: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"MARKER_KINDS": frozenset(MARKER_KINDS)}
     lines = []
     for kind, fields in RECORD_FIELDS.items():
-        tests = []
-        for name, types in fields.items():
-            namespace[f"T{len(namespace)}"] = types[0]
-            tests.append(f"type(r.get({name!r})) is T{len(namespace) - 1}")
+        tests = ["True"]
+        for name, (accepted, required) in fields.items():
+            namespace[f"T{len(namespace)}"] = accepted[0]
+            usual = f"type(r.get({name!r})) is T{len(namespace) - 1}"
+            tests.append(usual if required else f"({name!r} not in r or {usual})")
+        if kind == "marker":
+            tests.append("r['kind'] in MARKER_KINDS")
         lines.append(f"def check_{kind}(r):\n    return {' and '.join(tests)}\n")
     exec("\n".join(lines), namespace)  # our own constant field table
     return {kind: namespace[f"check_{kind}"] for kind in RECORD_FIELDS}
 
 
 _FAST_CHECK = _fast_checks()
+_MISSING = object()
 
 
 def record_problem(record: object) -> str | None:
@@ -105,18 +284,20 @@ def record_problem(record: object) -> str | None:
     kind = record.get("type")
     fast = _FAST_CHECK.get(kind)  # type: ignore[arg-type]
     if fast is not None and fast(record):
-        return _marker_kind_problem(record)
+        return None
     if not isinstance(kind, str):
         return "no 'type'"
     fields = RECORD_FIELDS.get(kind)
     if fields is None:
         return None
-    for name, types in fields.items():
+    for name, (accepted, required) in fields.items():
         value = record.get(name, _MISSING)
         if value is _MISSING:
-            return f"{kind} record without {name!r}"
+            if required:
+                return f"{kind} record without {name!r}"
+            continue
         # bool is an int in Python; an int field must not take one.
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
             return f"{kind} record with {name!r} of type {type(value).__name__}"
     return _marker_kind_problem(record)
 
@@ -127,7 +308,22 @@ def _marker_kind_problem(record: dict[str, Any]) -> str | None:
     return None
 
 
-_MISSING = object()
+def records_table() -> str:
+    """The Markdown table of every record type and its fields (docs/events.md holds it)."""
+    rows = ["| type | fields | what |", "|---|---|---|"]
+    for cls in RECORD_TYPES:
+        names = []
+        for name, (accepted, required) in RECORD_FIELDS[cls.TYPE].items():
+            kinds = "/".join("null" if t is type(None) else t.__name__ for t in accepted)
+            names.append(f"`{name}` ({kinds}{'' if required else ', optional'})")
+        what = " ".join((cls.__doc__ or "").split()).replace("``", "`")
+        rows.append(f"| `{cls.TYPE}` | {', '.join(names)} | {what} |")
+    return "\n".join(rows) + "\n"
+
+
+# The largest record a log may hold; a record longer than this is corruption.
+MAX_RECORD_BYTES = 16 << 20
+_READ_BYTES = 1 << 20
 
 
 class EventLogReader:
@@ -159,6 +355,7 @@ class EventLogReader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         unpacker = self._unpacker
         position = 0
+        fast = _FAST_CHECK
         try:
             for obj in unpacker:
                 position = unpacker.tell()
@@ -168,14 +365,17 @@ class EventLogReader:
                     self.records += 1
                     yield obj
                     continue
-                problem = record_problem(obj)
-                if problem is not None:
-                    self.skipped += 1
-                    self.first_problem = self.first_problem or problem
-                    continue
-                if obj["type"] not in RECORD_FIELDS:
-                    self.unknown += 1
-                    continue
+                # The common case in one dict lookup and one generated check.
+                check = fast.get(obj.get("type")) if type(obj) is dict else None  # type: ignore[arg-type]
+                if check is None or not check(obj):
+                    problem = record_problem(obj)
+                    if problem is not None:
+                        self.skipped += 1
+                        self.first_problem = self.first_problem or problem
+                        continue
+                    if obj["type"] not in RECORD_FIELDS:
+                        self.unknown += 1
+                        continue
                 self.records += 1
                 yield obj
         except (msgpack.UnpackException, ValueError) as err:
@@ -194,3 +394,7 @@ class EventLogReader:
         problem = record_problem(obj)
         if problem is not None:
             raise EventLogError(f"{self.source}: not a perfmon event log ({problem})")
+
+
+if __name__ == "__main__":
+    print(records_table(), end="")

@@ -72,6 +72,7 @@ from typing import Any
 
 from perfmon.parsers import procfs
 from perfmon.parsers.elf_symbols import find_function_symbols
+from perfmon.parsers.events import CudaSnapshot, Record
 from perfmon.probes.errors import (
     NoSuchProcess,
     PrerequisiteMissing,
@@ -80,7 +81,7 @@ from perfmon.probes.errors import (
 )
 from perfmon.probes.files import MappedLibrary, PathRefused
 from perfmon.probes.procfs import TargetProcess
-from perfmon.probes.sampler import Sampler, monotonic_ns
+from perfmon.probes.sampler import Sampler, Source, monotonic_ns
 from perfmon.probes.uprobes import (
     check_ebpf_prerequisites,
     close_bpf,
@@ -550,3 +551,47 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         for library in self._libraries:
             library.close()
         self._libraries = []
+
+
+class CudaSource(Source):
+    """The CUDA/NCCL counters as log records: one ``cuda`` snapshot per Optimizer.step
+    entry of every probed rank (the periodic reads add nothing per iteration)."""
+
+    name = "cuda"
+
+    def __init__(self, targets: list[TargetProcess]) -> None:
+        super().__init__()
+        self.probe = CudaActivityProbe(targets)
+        self.snapshots = 0
+        self._last: dict[int, CudaCounters] = {}
+
+    def _start(self) -> None:
+        self.probe.start()
+        self.available, self.reason = self.probe.available, self.probe.reason
+        self.warnings = self.probe.warnings
+
+    @property
+    def attached(self) -> dict[str, list[str]]:
+        return self.probe.attached
+
+    def _poll(self) -> list[Record]:
+        records: list[Record] = []
+        for c in self.probe.poll():
+            self._last[c.pid] = c
+            if c.at_step:
+                records.append(CudaSnapshot(
+                    c.t_mono_ns, c.pid, True, c.kernel_launches, c.sync_wait_ns,
+                    c.graph_launches, c.nccl_calls, c.nccl_bytes, c.runtime_launches,
+                    c.driver_launches, c.forwarded_launches, c.sync_calls, c.sync_untracked,
+                    c.nccl_unknown_dtype_calls))
+        self.snapshots += len(records)
+        return records
+
+    def quality(self) -> dict[str, Any]:
+        return {"snapshots": self.snapshots, "snapshots_dropped": self.probe.dropped,
+                "sync_untracked": sum(c.sync_untracked for c in self._last.values()),
+                "nccl_unknown_dtype_calls": sum(c.nccl_unknown_dtype_calls
+                                                for c in self._last.values())}
+
+    def _close(self) -> None:
+        self.probe.close()

@@ -2,7 +2,7 @@
 
 Measures: identity and loaded libraries of a training process (from
 /proc/PID/{maps,cmdline,environ,status}) and its resident memory (psutil and
-/proc/PID/status), sampled at 1 Hz by default. Cost: a few /proc reads per
+/proc/PID/status), sampled at 1 Hz by default (``MemorySource``). Cost: a few /proc reads per
 sample. Needs: read access to the target's /proc files, which for another
 user's process means root or CAP_SYS_PTRACE. Linux only.
 
@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 from perfmon.parsers import procfs
+from perfmon.parsers.events import ProcessSample, Record
 from perfmon.probes.errors import NoSuchProcess, PrivilegeError, UnsuitableTarget
-from perfmon.probes.sampler import Sampler, monotonic_ns
+from perfmon.probes.sampler import Source, monotonic_ns
 
 ENVIRON_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")
 TORCH_LIBRARY_PREFIX = "libtorch_cpu"
@@ -200,46 +202,50 @@ def agent_capabilities() -> int:
         return procfs.parse_status(f.read()).effective_capabilities
 
 
-@dataclass(frozen=True)
-class MemorySample:
-    t_mono_ns: int
-    pid: int
-    rss_bytes: int
-    peak_rss_bytes: int | None  # VmHWM: the process's lifetime peak RSS
+class MemorySource(Source):
+    """Resident memory of each target, every ``interval_s`` (drift-free schedule).
 
+    Records: ``process`` (perfmon.parsers.events.ProcessSample). A read that fails
+    because a rank exited is counted (``read_errors``), not raised.
+    """
 
-class MemorySampler(Sampler[MemorySample]):
-    """Resident memory of each target, every ``interval_s`` (drift-free schedule)."""
+    name = "memory"
 
     def __init__(self, pids: list[int], interval_s: float = 1.0) -> None:
         super().__init__()
         self.pids = pids
         self.interval_ns = int(interval_s * 1e9)
-        self.errors = 0  # reads that failed because a target exited: data, not failure
+        self.samples = 0
+        self.errors = 0
         self._start_ns = 0
         self._next_ns = 0
 
     def _start(self) -> None:
         self._start_ns = self._next_ns = monotonic_ns()
 
-    def _poll(self) -> list[MemorySample]:
+    def _poll(self) -> list[Record]:
         now = monotonic_ns()
         if now < self._next_ns:
             return []
         # Drift-free: next = start + k * interval, skipping slots missed while busy.
         k = (now - self._start_ns) // self.interval_ns + 1
         self._next_ns = self._start_ns + k * self.interval_ns
-        samples = []
+        samples: list[Record] = []
         for pid in self.pids:
             try:
-                with open(f"/proc/{pid}/status") as f:
-                    status = procfs.parse_status(f.read())
+                with open(f"/proc/{pid}/status", "rb") as f:
+                    status = procfs.parse_status(
+                        f.read(_READ_LIMITS["status"]).decode("utf-8", "replace"))
             except OSError:
                 self.errors += 1
                 continue
             if status.rss_bytes is not None:
-                samples.append(MemorySample(now, pid, status.rss_bytes, status.peak_rss_bytes))
+                samples.append(ProcessSample(now, pid, status.rss_bytes, status.peak_rss_bytes))
+        self.samples += len(samples)
         return samples
+
+    def quality(self) -> dict[str, Any]:
+        return {"samples": self.samples, "read_errors": self.errors}
 
     def _close(self) -> None:
         pass

@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -127,17 +128,36 @@ def _failure(pid: int, stderr: bytes, what: str) -> ProbeError:
     return ProbeError(f"pid {pid}: py-spy {what} failed: {message or 'no message'}")
 
 
+def _run(args: list[str], timeout_s: float, cancel: threading.Event | None
+         ) -> subprocess.CompletedProcess[bytes]:
+    """Run py-spy; TimeoutExpired past ``timeout_s``; killed at once when ``cancel`` is set."""
+    with subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, env=_ENV) as proc:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                out, err = proc.communicate(timeout=0.1 if cancel is not None else timeout_s)
+                return subprocess.CompletedProcess(args, proc.returncode, out, err)
+            except subprocess.TimeoutExpired:
+                if (cancel is not None and cancel.is_set()) or time.monotonic() >= deadline:
+                    proc.kill()
+                    proc.communicate()
+                    raise
+
+
 def dump_stacks(
     pid: int, *, native: bool = False, locals_: bool = False, timeout_s: float = 10,
-    executable: str | None = None,
+    executable: str | None = None, cancel: threading.Event | None = None,
 ) -> list[ThreadStack]:
     """One snapshot of every Python thread of ``pid`` (``py-spy dump --json``).
 
     Non-blocking, except with ``native``: py-spy cannot unwind native frames of
     a running process, so it pauses the target once for the dump (seconds with
-    a large libtorch, most of it reading symbols before the pause).
+    a large libtorch, most of it reading symbols before the pause). ``cancel``:
+    when set (from another thread), the dump is killed within 0.1 s (py-spy's
+    death detaches it from a paused target, which goes on).
     Raises PrerequisiteMissing, PrivilegeError, NoSuchProcess, UnsuitableTarget
-    or ProbeError (including a dump that outlives ``timeout_s``).
+    or ProbeError (including a dump that outlives ``timeout_s`` or is cancelled).
     """
     args = [executable or find_pyspy(), "dump", "--pid", str(pid), "--json"]
     args += ["--native"] if native else ["--nonblocking"]
@@ -145,10 +165,11 @@ def dump_stacks(
     deadline = time.monotonic() + timeout_s
     for attempt in range(_DUMP_ATTEMPTS):
         try:
-            done = subprocess.run(args, capture_output=True, check=False, env=_ENV,
-                                  timeout=max(0.1, deadline - time.monotonic()))
+            done = _run(args, max(0.1, deadline - time.monotonic()), cancel)
         except subprocess.TimeoutExpired as err:
-            raise ProbeError(f"pid {pid}: py-spy dump did not finish in {timeout_s} s") from err
+            what = "was cancelled" if cancel is not None and cancel.is_set() else (
+                f"did not finish in {timeout_s} s")
+            raise ProbeError(f"pid {pid}: py-spy dump {what}") from err
         except OSError as err:  # missing, not executable, wrong architecture
             raise PrerequisiteMissing(
                 f"pid {pid}: cannot run {args[0]} ({err.strerror}): pip install py-spy"

@@ -1,5 +1,12 @@
 """The one shape every probe has: ``start()``, non-blocking ``poll()``, idempotent ``close()``.
 
+A :class:`Sampler` yields raw samples (py-spy stacks, NVML readings); a
+:class:`Source` is a sampler whose records are the event log's
+(perfmon.parsers.events), and that says what it saw and missed
+(``quality()``): every source of a session has this one shape, so the session
+starts them all under one ``contextlib.ExitStack`` and polls, logs and closes
+them the same way.
+
 Timestamps are CLOCK_MONOTONIC nanoseconds (``time.monotonic_ns`` on Linux), the
 clock ``bpf_ktime_get_ns`` reads too, so records from every probe and the
 target's own timestamps compare directly.
@@ -8,7 +15,9 @@ target's own timestamps compare directly.
 from __future__ import annotations
 
 import time
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+from perfmon.parsers.events import Record
 
 R = TypeVar("R")
 
@@ -63,3 +72,26 @@ class Sampler(Generic[R]):
 
     def _close(self) -> None:
         raise NotImplementedError
+
+
+class Source(Sampler[Record]):
+    """A sampler of event-log records.
+
+    ``name`` names it in ``data_quality``; ``available`` is False (with
+    ``reason``) when ``start`` found nothing to measure (e.g. no CUDA library
+    loaded) — a quiet source, not a failure; ``warnings`` lists degraded
+    features found at start. ``quality()`` returns cumulative counters of what
+    it saw and missed (names listed in perfmon.agent.reducers.quality.HINTS for
+    the losses), read at any time without blocking.
+    """
+
+    name = "source"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.available = True
+        self.reason: str | None = None
+        self.warnings: list[str] = []
+
+    def quality(self) -> dict[str, Any]:
+        return {}

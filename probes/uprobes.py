@@ -23,12 +23,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from perfmon.parsers.elf_symbols import ElfError, ElfSymbol, find_function_symbols
-from perfmon.parsers.events import MARKER_KINDS
+from perfmon.parsers.events import MARKER_KINDS, Marker, Record
 from perfmon.parsers.procfs import (
     CAP_BPF,
     CAP_PERFMON,
@@ -39,7 +38,7 @@ from perfmon.parsers.procfs import (
 from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError, SymbolNotFound
 from perfmon.probes.files import MappedLibrary, PathRefused
 from perfmon.probes.procfs import TargetProcess, agent_capabilities
-from perfmon.probes.sampler import Sampler
+from perfmon.probes.sampler import Source
 
 # Mangled-name prefixes: the full names differ across releases (c10::optional
 # before 2.4, std::optional after), so match the stable part.
@@ -57,18 +56,14 @@ STEP_NAME_PREFIXES = {
     "enumerate(DataLoader)#": "dataloader_next",
 }
 _NAME_LEN = 64
+DEFAULT_RING_PAGES = 64  # 256 KiB: ~2,900 markers between two polls
 _PREFIX_WORDS = 3
 _MAX_PREFIXES = 4
 _BPF_DIR = "bpf"  # in this package: the *.bpf.c programs and step_names.bpf.h
 
 
-@dataclass(frozen=True)
-class MarkerEvent:
-    t_mono_ns: int
-    pid: int
-    tid: int
-    kind: str  # one of MARKER_KINDS
-    name: str
+# The records markers are: one event-log Marker per probe hit.
+MarkerEvent = Marker
 
 
 def kernel_headers_dir() -> str | None:
@@ -238,7 +233,7 @@ def _fill_step_prefixes(bpf: Any) -> None:
     table[ctypes.c_int(0)] = leaf
 
 
-class MarkerProbe(Sampler[MarkerEvent]):
+class MarkerProbe(Source):
     """Uprobes on the step markers of one or more PyTorch processes.
 
     ``poll()`` returns the markers delivered since the last call without
@@ -247,13 +242,19 @@ class MarkerProbe(Sampler[MarkerEvent]):
     backward probe, hence no micro-batch count).
     """
 
-    def __init__(self, targets: list[TargetProcess]) -> None:
+    name = "uprobes"
+
+    def __init__(self, targets: list[TargetProcess], ring_pages: int = DEFAULT_RING_PAGES
+                 ) -> None:
         super().__init__()
+        if ring_pages < 1 or ring_pages & (ring_pages - 1):
+            raise ValueError(f"ring_pages must be a power of two, not {ring_pages}")
+        self.ring_pages = ring_pages
         self.targets = targets
         self.dropped = 0
-        self.warnings: list[str] = []
+        self.events = 0
         self._bpf: Any = None
-        self._pending: list[MarkerEvent] = []
+        self._pending: list[Marker] = []
         self._libraries: dict[int, MappedLibrary] = {}
 
     def _start(self) -> None:
@@ -263,7 +264,8 @@ class MarkerProbe(Sampler[MarkerEvent]):
             for t in self.targets:
                 self._libraries[t.pid] = open_torch_library(t)
                 symbols[t.pid] = find_torch_symbols(t, self._libraries[t.pid])
-            self._bpf = compile_step_program("iterations.bpf.c", [f"-DNAME_LEN={_NAME_LEN}"])
+            self._bpf = compile_step_program(
+                "iterations.bpf.c", [f"-DNAME_LEN={_NAME_LEN}", f"-DRING_PAGES={self.ring_pages}"])
             for target in self.targets:
                 self._attach(target, *symbols[target.pid])
         except Exception:
@@ -300,7 +302,7 @@ class MarkerProbe(Sampler[MarkerEvent]):
     def _on_event(self, _ctx: Any, data: Any, _size: int) -> None:
         ev = self._bpf[b"events"].event(data)
         self._pending.append(
-            MarkerEvent(
+            Marker(
                 t_mono_ns=ev.t_mono_ns,
                 pid=ev.pid,
                 tid=ev.tid,
@@ -309,12 +311,16 @@ class MarkerProbe(Sampler[MarkerEvent]):
             )
         )
 
-    def _poll(self) -> list[MarkerEvent]:
+    def _poll(self) -> list[Record]:
         self._bpf.ring_buffer_consume()
         dropped = self._bpf[b"dropped"][ctypes.c_int(0)].value
         self.dropped = int(dropped)
         events, self._pending = self._pending, []
-        return events
+        self.events += len(events)
+        return list(events)
+
+    def quality(self) -> dict[str, Any]:
+        return {"events": self.events, "events_dropped": self.dropped}
 
     def _close(self) -> None:
         if self._bpf is not None:

@@ -13,6 +13,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 
 import msgpack
 import pytest
@@ -228,3 +229,30 @@ def test_probing_writes_nothing_into_the_target(start_target):
         assert probe.poll()  # and the probes work
     finally:
         probe.close()
+
+
+def test_data_quality_counts_the_events_a_tiny_ring_buffer_dropped(start_target, agent, out_dir):
+    # 32 micro-batches a step: ~100 markers a step into a one-page (4 KiB, ~46 events)
+    # ring buffer, while the agent, stopped for 1.5 s, does not drain it.
+    target = start_target("--grad-accum", "32")
+    proc = agent.start("attach", "--pid", str(target.pid), "--duration", "8",
+                       "--ring-buffer-pages", "1", "--no-stack-sampling",
+                       "--output-dir", str(out_dir))
+    wait_for(lambda: (s := _try_summary(out_dir)) and s["session_info"]["total_iterations"] > 2,
+             timeout_s=30, what="iterations in the live summary")
+    proc.send_signal(signal.SIGSTOP)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    stats = load_summary(out_dir)["final_statistics"]
+    quality = stats["data_quality"]
+    dropped = quality["sources"]["uprobes"]["events_dropped"]
+    assert dropped > 0 and stats["lost_events"] == dropped
+    assert quality["sources"]["uprobes"]["events"] > 100
+    (loss,) = [li for li in quality["losses"] if li.startswith("uprobes: events_dropped")]
+    assert f"events_dropped {dropped} (the ring buffer overflowed" in loss
+    assert f"perfmon-agent: warning: data quality: {loss}" in err
+    assert "1 loss(es): see the warnings" in out
+    # Sources that missed nothing say what they saw, without a loss.
+    assert quality["sources"]["memory"]["samples"] > 0

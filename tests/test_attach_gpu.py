@@ -130,7 +130,8 @@ def test_cuda_and_nccl_activity_per_iteration_equals_what_the_job_called(
         assert entry["kernels_per_iter"] == 7
         assert entry["nccl_calls_per_iter"] == 2
         assert entry["nccl_bytes_per_iter"] == 4096 + 512
-        assert 2.0 <= entry["cpu_sync_wait_ms"] < 3.0
+        # Two 1 ms waits: never less; more when the busy 2-core host is slow to wake them.
+        assert 2.0 <= entry["cpu_sync_wait_ms"] < 5.0
     by_kind = summary["final_statistics"]["nccl_per_iter_by_collective"]
     assert by_kind["all_reduce"] == {"calls": 1, "bytes": 4096}
     assert by_kind["all_gather"] == {"calls": 1, "bytes": 512}

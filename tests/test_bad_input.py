@@ -68,7 +68,7 @@ def test_missing_bcc_says_what_to_install(start_target, out_dir):
             "from perfmon.agent.cli import main; sys.exit(main())")
     run = subprocess.run(
         [sys.executable, "-c", code, "attach", "--pid", str(target.pid),
-         "--output-dir", str(out_dir), "--iteration-source", "uprobe"],
+         "--output-dir", str(out_dir), "--iteration-source", "uprobe", "--probe-backend", "bcc"],
         capture_output=True, text=True, timeout=60, check=False)
     assert_one_line(run, 5, "bcc", "apt-get install python3-bpfcc")
 
@@ -76,7 +76,7 @@ def test_missing_bcc_says_what_to_install(start_target, out_dir):
 def test_missing_kernel_headers_say_what_to_install(agent, start_target, out_dir, tmp_path):
     target = start_target()
     run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
-                    "--iteration-source", "uprobe",
+                    "--iteration-source", "uprobe", "--probe-backend", "bcc",
                     env={"BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")})
     assert_one_line(run, 5, "no kernel headers", "linux-headers-")
 
@@ -147,8 +147,10 @@ def test_auto_falls_back_to_pyspy_with_one_warning_when_uprobes_cannot_run(
     agent, start_target, out_dir, tmp_path
 ):
     target = start_target()
+    # bcc is the only backend allowed here, and it lacks headers: iterations from py-spy.
     run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
-                    "--duration", "3", env={"BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")})
+                    "--duration", "3", "--probe-backend", "bcc",
+                    env={"BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")})
     assert run.returncode == 0, run.stderr
     warnings = [li for li in run.stderr.splitlines() if "uprobes unavailable" in li]
     assert len(warnings) == 1 and "no kernel headers" in warnings[0]

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from perfmon.parsers.elf_symbols import ElfError, find_function_symbols
+from perfmon.parsers.elf_symbols import (
+    ElfError,
+    LoadSegment,
+    file_offset,
+    find_function_symbols,
+    load_segments,
+)
 from perfmon.probes.uprobes import ENGINE_EXECUTE_SYMBOL, RECORD_FUNCTION_SYMBOLS
 
 LIBTORCH = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
@@ -26,6 +32,45 @@ def test_finds_the_probed_functions_in_the_installed_libtorch():
                         text=True, check=True).stdout
     line = next(li for li in nm.splitlines() if li.endswith(" " + engine.name))
     assert int(line.split()[0], 16) == engine.address
+
+
+def readelf_loads(path: Path) -> list[tuple[int, int, int]]:
+    """(p_offset, p_vaddr, p_filesz) of each LOAD line of `readelf -lW`."""
+    out = subprocess.run(["readelf", "-lW", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    return [(int(f[1], 16), int(f[2], 16), int(f[4], 16))
+            for f in (li.split() for li in out.splitlines()) if f and f[0] == "LOAD"]
+
+
+def test_file_offsets_follow_the_load_segments_of_the_installed_libtorch():
+    with open(LIBTORCH, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as buf:
+        segments = load_segments(buf)
+        found = find_function_symbols(buf, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL))
+    loads = readelf_loads(LIBTORCH)
+    assert [(s.file_offset, s.virtual_address, s.file_size_bytes) for s in segments] == loads
+    for symbol in (*found[RECORD_FUNCTION_SYMBOLS[0]], *found[ENGINE_EXECUTE_SYMBOL]):
+        # What the uprobe offset must be, from readelf's own numbers.
+        offset, vaddr, _ = next(seg for seg in loads
+                                if seg[1] <= symbol.address < seg[1] + seg[2])
+        assert file_offset(segments, symbol.address) == symbol.address - vaddr + offset
+    # A segment mapped away from its file offset (this library's data, a page apart).
+    shifted = next(s for s in segments if s.virtual_address != s.file_offset)
+    address = shifted.virtual_address + 16
+    assert file_offset(segments, address) == shifted.file_offset + 16 != address
+    # .bss follows the file bytes of the last segment: in memory, not in the file.
+    last = max(segments, key=lambda s: s.virtual_address)
+    with pytest.raises(ElfError, match="no PT_LOAD segment"):
+        file_offset(segments, last.virtual_address + last.file_size_bytes)
+
+
+def test_file_offset_of_an_address_is_relative_to_its_segment():
+    segments = [LoadSegment(0, 0, 0x1000), LoadSegment(0x1000, 0x201000, 0x500)]
+    assert file_offset(segments, 0x10) == 0x10
+    assert file_offset(segments, 0x201000) == 0x1000
+    assert file_offset(segments, 0x2014FF) == 0x14FF
+    for outside in (0x1000, 0x200FFF, 0x201500):
+        with pytest.raises(ElfError, match=f"{outside:#x}"):
+            file_offset(segments, outside)
 
 
 def test_prefix_matches_function_symbols_only_and_skips_undefined_ones(tmp_path):
@@ -48,8 +93,13 @@ def test_prefix_matches_function_symbols_only_and_skips_undefined_ones(tmp_path)
     # Prefixes that start at the same place each get their matches.
     assert sorted(s.name for s in found["probe_me"]) == ["probe_me", "probe_me_too"]
     assert [s.name for s in found["probe_me_t"]] == ["probe_me_too"]
+    # Its program headers, as readelf reads them.
+    assert [(s.file_offset, s.virtual_address, s.file_size_bytes)
+            for s in load_segments(lib.read_bytes())] == readelf_loads(lib)
 
 
 def test_not_an_elf_file_is_an_error():
     with pytest.raises(ElfError, match="not an ELF file"):
         find_function_symbols(b"#!/bin/sh\n" * 10, ["x"])
+    with pytest.raises(ElfError, match="not an ELF file"):
+        load_segments(b"#!/bin/sh\n" * 10)

@@ -50,11 +50,12 @@ class PhaseAccount:
             self._backward.append((self._backward_open, t_ns))
             self._backward_open = None
 
-    def window_ns(self, start_ns: int, end_ns: int) -> dict[str, int] | None:
-        """Nanoseconds per phase in [start, end]; None without any source.
+    def feed_phase(self, record: dict[str, Any]) -> None:
+        """A ``phase`` record (spans of other ranks than the primary are not fed here)."""
+        self.add_span(record["t_mono_ns"], record["end_mono_ns"], record["phase"])
 
-        Drops what lies wholly before ``end``: windows arrive in time order.
-        """
+    def window_ns(self, start_ns: int, end_ns: int) -> dict[str, int] | None:
+        """Nanoseconds per phase in [start, end]; None without any source. (Pure.)"""
         length = end_ns - start_ns
         sampled = dict.fromkeys(PHASES, 0)
         for s0, s1, phase in self._spans:
@@ -62,8 +63,6 @@ class PhaseAccount:
         backward = sum(_overlap(b0, b1, start_ns, end_ns) for b0, b1 in self._backward)
         if self._backward_open is not None:
             backward += _overlap(self._backward_open, end_ns, start_ns, end_ns)
-        self._spans = [s for s in self._spans if s[1] > end_ns]
-        self._backward = [b for b in self._backward if b[1] > end_ns]
         if not self.probed and not any(sampled.values()):
             return None
         if not self.probed:
@@ -80,6 +79,11 @@ class PhaseAccount:
             else:
                 result["other"] = rest
         return result
+
+    def prune(self, before_ns: int) -> None:
+        """Forget spans that end before ``before_ns`` (windows are asked in time order)."""
+        self._spans = [s for s in self._spans if s[1] > before_ns]
+        self._backward = [b for b in self._backward if b[1] > before_ns]
 
     def record(self, per_phase_ns: dict[str, int] | None, iterations: int) -> None:
         if per_phase_ns is None:

@@ -5,8 +5,8 @@
 // (step_names.bpf.h reads and classifies the name). Engine::execute (one call
 // per backward()) is counted at entry and exit.
 //
-// Settings arrive as -D cflags: NAME_LEN (bytes of the name copied out), and
-// those of step_names.bpf.h.
+// Settings arrive as -D cflags: NAME_LEN (bytes of the name copied out),
+// RING_PAGES (the ring buffer's size), and those of step_names.bpf.h.
 
 #include <uapi/linux/ptrace.h>
 
@@ -33,7 +33,10 @@ struct event_t {
     char name[NAME_LEN];
 };
 
-BPF_RINGBUF_OUTPUT(events, 64);          // 64 pages
+#ifndef RING_PAGES
+#define RING_PAGES 64
+#endif
+BPF_RINGBUF_OUTPUT(events, RING_PAGES);  // a power of two pages
 BPF_ARRAY(dropped, u64, 1);              // ring buffer full: counted, reported by user space
 BPF_PERCPU_ARRAY(scratch, struct event_t, 1);
 

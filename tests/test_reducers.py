@@ -1,11 +1,12 @@
-"""The aggregator on hand-written record streams: boundaries, windows and sums."""
+"""The reducers on hand-written record streams: boundaries, windows and sums."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
 import pytest
-from perfmon.agent.aggregate import StepAggregator, Workload
+from perfmon.agent.model import Workload
+from perfmon.agent.reducers import Summarizer
 
 MS = 1_000_000
 
@@ -15,12 +16,12 @@ def marker(kind: str, t_ms: float, pid: int = 10) -> dict:
             "name": ""}
 
 
-def aggregator(workload: Workload | None = None, log_interval: int = 2) -> StepAggregator:
-    return StepAggregator(workload or Workload(), primary_pid=10, start_t_mono_ns=0,
+def aggregator(workload: Workload | None = None, log_interval: int = 2) -> Summarizer:
+    return Summarizer(workload or Workload(), primary_pid=10, start_t_mono_ns=0,
                           start_wall_s=1.8e9, log_interval=log_interval)
 
 
-def feed(agg: StepAggregator, records: list[dict]) -> list[dict]:
+def feed(agg: Summarizer, records: list[dict]) -> list[dict]:
     return [entry for r in records for entry in agg.feed(r)]
 
 
@@ -55,7 +56,7 @@ def test_without_backward_probe_every_step_ends_an_iteration():
 
 
 def test_markers_of_other_ranks_and_before_attach_are_ignored():
-    agg = StepAggregator(Workload(), primary_pid=10, start_t_mono_ns=20 * MS,
+    agg = Summarizer(Workload(), primary_pid=10, start_t_mono_ns=20 * MS,
                          start_wall_s=1.8e9)
     feed(agg, [marker("optimizer_step", 10), marker("optimizer_step", 30, pid=11),
                marker("optimizer_step", 40), marker("optimizer_step", 70)])

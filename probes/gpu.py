@@ -1,7 +1,7 @@
 """GPU side of a monitoring session: NVML samples, XID and ECC events, as log records.
 
-Without a driver (CPU jobs, or hosts without NVIDIA GPUs) ``GpuMonitor.start``
-returns False with the reason, and the session goes on in CPU mode.
+Without a driver (CPU jobs, or hosts without NVIDIA GPUs) ``GpuSource`` is not
+``available`` (``reason`` says why) and the session goes on in CPU mode.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from perfmon.parsers.events import Ecc, GpuSamples, Record, Xid
+from perfmon.parsers.gpu_samples import job_gpu_indices
 from perfmon.parsers.peak_tflops import peak_tflops_for
 from perfmon.probes.nvml import (
     NvmlSampler,
@@ -17,15 +19,22 @@ from perfmon.probes.nvml import (
     driver_info,
     read_gpu_health,
 )
-from perfmon.probes.sampler import monotonic_ns
+from perfmon.probes.sampler import Source, monotonic_ns
 
 ECC_INTERVAL_NS = 30_000_000_000  # ECC counters move rarely; ~60 NVML calls per read
 
 
-class GpuMonitor:
-    """NVML sampling of every GPU, with the job's pids for per-process memory."""
+class GpuSource(Source):
+    """NVML sampling of every GPU, with the job's pids for per-process memory.
+
+    Records: ``gpu`` (every GPU, once per interval), ``xid``, and ``ecc`` (new
+    volatile ECC errors, read every 30 s).
+    """
+
+    name = "nvml"
 
     def __init__(self, pids: list[int], interval_s: float = 1.0) -> None:
+        super().__init__()
         self.pids = pids
         self.interval_s = interval_s
         self.sampler = NvmlSampler(interval_s=interval_s, pids=pids)
@@ -33,49 +42,48 @@ class GpuMonitor:
         self.info: dict[str, Any] = {"available": False}
         self._ecc: dict[int, tuple[int | None, int | None]] = {}
         self._next_ecc_ns = 0
-        self._started = False
+        self.samples = 0
+        self.xid_events = 0
 
-    def start(self) -> bool:
-        """Start sampling; False (with ``info['reason']``) when NVML is unavailable."""
+    def _start(self) -> None:
+        """Start sampling; not ``available`` (with ``info['reason']``) without NVML."""
         try:
             driver = driver_info()
             self.sampler.start()
             self.xids.start()
         except NvmlUnavailable as err:
+            self.available, self.reason = False, str(err)
             self.info = {"available": False, "reason": str(err)}
-            return False
-        self._started = True
+            return
         self.info = {
             "available": True,
             "driver_version": driver.driver_version,
             "gpu_count": driver.gpu_count,
             "sample_interval_s": self.interval_s,
         }
-        return True
 
-    def poll(self) -> list[dict[str, Any]]:
-        """Log records (``gpu``, ``xid``, ``ecc``) gathered since the last call."""
-        if not self._started:
+    def _poll(self) -> list[Record]:
+        """Records (``gpu``, ``xid``, ``ecc``) gathered since the last call."""
+        if not self.available:
             return []
-        records: list[dict[str, Any]] = []
+        records: list[Record] = []
         samples = self.sampler.poll()
         if samples:
-            records.append({
-                "type": "gpu",
-                "t_mono_ns": min(s.t_mono_ns for s in samples),
-                "gpus": [_sample_record(asdict(s)) for s in samples],
-            })
-        records += [{"type": "xid", "t_mono_ns": e.t_mono_ns, "gpu_index": e.gpu_index,
-                     "xid": e.xid} for e in self.xids.poll()]
+            self.samples += 1
+            records.append(GpuSamples(min(s.t_mono_ns for s in samples),
+                                      [_sample_record(asdict(s)) for s in samples]))
+        xids = self.xids.poll()
+        self.xid_events += len(xids)
+        records += [Xid(e.t_mono_ns, e.gpu_index, e.xid) for e in xids]
         now = monotonic_ns()
         if now >= self._next_ecc_ns:
             self._next_ecc_ns = now + ECC_INTERVAL_NS
             records += self._ecc_events(now)
         return records
 
-    def _ecc_events(self, now_ns: int) -> list[dict[str, Any]]:
+    def _ecc_events(self, now_ns: int) -> list[Record]:
         """New volatile ECC errors since the previous read (the first read sets the base)."""
-        events = []
+        events: list[Record] = []
         for index in self.sampler.gpu_indices:
             readings = read_gpu_health(index)
             current = (readings.ecc_volatile_corrected, readings.ecc_volatile_uncorrected)
@@ -86,46 +94,31 @@ class GpuMonitor:
             for kind, before, after in zip(("corrected", "uncorrected"), previous, current,
                                            strict=True):
                 if before is not None and after is not None and after > before:
-                    events.append({"type": "ecc", "t_mono_ns": now_ns, "gpu_index": index,
-                                   "kind": kind, "count": after - before})
+                    events.append(Ecc(now_ns, index, kind, after - before))
         return events
 
-    def peak_tflops(self, records: list[dict[str, Any]], dtype: str) -> tuple[float | None, str]:
+    def quality(self) -> dict[str, Any]:
+        return {"samples": self.samples, "missed_slots": self.sampler.missed_slots,
+                "unsupported_fields": len(self.sampler.unsupported_fields),
+                "xid_events": self.xid_events}
+
+    def peak_tflops(self, records: list[Record], dtype: str) -> tuple[float | None, str]:
         """The dense peak of the job's GPU for ``dtype``, from the first samples.
 
         None for a job on none of the GPUs (a CPU job on a GPU host).
         """
         for record in records:
-            if record["type"] != "gpu":
+            if not isinstance(record, GpuSamples):
                 continue
-            indices, _how = job_gpu_indices(record["gpus"])
-            for g in record["gpus"]:
+            indices, _how = job_gpu_indices(record.gpus)
+            for g in record.gpus:
                 if g["index"] in indices and g.get("name"):
                     return peak_tflops_for(g["name"], dtype), g["name"]
         return None, "unknown"
 
-    def close(self) -> None:
+    def _close(self) -> None:
         self.sampler.close()
         self.xids.close()
-
-
-def job_gpu_indices(gpus: list[dict[str, Any]]) -> tuple[set[int], str]:
-    """The GPUs of one ``gpu`` record that are the job's, and how that was decided.
-
-    The sampler lists only the job's processes in ``process_memory_bytes``:
-    GPUs showing one are the job's (``processes``). When NVML lists no compute
-    process on any GPU (a container with its own PID namespace, or a driver
-    that does not say), every GPU counts as the job's (``all_gpus``). Otherwise
-    other processes use the GPUs and the job none of them (``none``: a CPU job
-    on a GPU host gets no GPU figures and no MFU).
-    """
-    alive = [g for g in gpus if not g.get("lost")]
-    mine = {g["index"] for g in alive if g.get("process_memory_bytes")}
-    if mine:
-        return mine, "processes"
-    if not any(g.get("process_count") for g in gpus):
-        return {g["index"] for g in alive}, "all_gpus"
-    return set(), "none"
 
 
 def _sample_record(sample: dict[str, Any]) -> dict[str, Any]:

@@ -1,11 +1,18 @@
 """py-spy in a monitoring session: phase spans, iterations without eBPF, the job's
-own iteration number, and stack dumps for hang reports, all as log records."""
+own iteration number, and stack dumps for hang reports, all as log records.
+
+The sampling itself never blocks (PySpySampler's record windows); the blocking
+``py-spy dump --locals`` reads of the job's counter run in a worker thread
+(perfmon.probes.background) and come back as records on a later poll.
+"""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.events import JobIteration, Marker, Phase, Record
 from perfmon.parsers.pyspy import ThreadStack
 from perfmon.parsers.sampled_iterations import CounterRead, SampledIterationClock
 from perfmon.parsers.stack_analysis import (
@@ -14,9 +21,10 @@ from perfmon.parsers.stack_analysis import (
     iteration_local,
     main_thread,
 )
+from perfmon.probes.background import BackgroundCalls
 from perfmon.probes.procfs import TargetProcess
 from perfmon.probes.pyspy import DEFAULT_RATE_HZ, PySpySampler, dump_stacks
-from perfmon.probes.sampler import monotonic_ns
+from perfmon.probes.sampler import Source, monotonic_ns
 
 # Reads of the job's own counter: a few at the start (a read racing the
 # increment is off by one; reads late in a step and the most frequent offset
@@ -29,7 +37,7 @@ JOB_ITERATION_REFRESH_NS = 60_000_000_000
 COUNTING_SPACING_NS = 2_000_000_000
 
 
-class StackMonitor:
+class StackSource(Source):
     """Samples the primary rank's stacks; ``poll()`` returns log records.
 
     - ``phase``: spans of the training (main) thread, one record per run of
@@ -41,30 +49,41 @@ class StackMonitor:
     - ``job_iteration``: the job's own counter read from a local variable.
     """
 
+    name = "pyspy"
+
     def __init__(self, primary: TargetProcess, *, detect_iterations: bool,
                  iteration_function: str | None = None,
                  iteration_variable: str | None = None, rate_hz: int = DEFAULT_RATE_HZ) -> None:
+        super().__init__()
         self.primary = primary
         self.sampler = PySpySampler([primary.pid], rate_hz=rate_hz)
         self.clock = SampledIterationClock(iteration_function) if detect_iterations else None
         self.names = (iteration_variable,) if iteration_variable else DEFAULT_ITERATION_LOCALS
         self._span: list[Any] | None = None  # [phase, start, end]
         self._reads = 0
+        self._reads_failed = 0
         self._counter_found = False
         self._next_read_ns = 0
+        self._final = False
+        self._calls = BackgroundCalls("perfmon-pyspy-dump")
 
-    def start(self) -> None:
+    def _start(self) -> None:
         self.sampler.start()
 
-    def poll(self, final: bool = False) -> list[dict[str, Any]]:
-        """Records since the last call; ``final``: the session ends, settle everything."""
+    def settle(self) -> None:
+        """The session ends: the next poll settles every iteration end still held."""
+        self._final = True
+
+    def _poll(self) -> list[Record]:
         samples = self.sampler.poll()
         main = [s for s in samples if s.tid == self.primary.pid]
-        records = self._phase_records(main)
+        records: list[Record] = self._phase_records(main)
+        for _tag, read, error in self._calls.done():
+            records += self._counter_read(read, error)
         now = monotonic_ns()
-        if now >= self._next_read_ns and not final:
+        if now >= self._next_read_ns and not self._final and not self._calls.busy():
             self._reads += 1
-            records += self._job_iteration()
+            self._calls.submit("locals", self._read_locals)
             counting = self.clock is not None and (self._counter_found
                                                    or self._reads < JOB_ITERATION_READS)
             if self.clock is not None and not counting:
@@ -75,15 +94,18 @@ class StackMonitor:
             self._next_read_ns = now + spacing
         if self.clock is not None:
             self.clock.feed(main)
-            records += [
-                {"type": "marker", "t_mono_ns": t, "pid": self.primary.pid,
-                 "tid": self.primary.pid, "kind": "optimizer_step", "name": f"pyspy:{how}"}
-                for t, how in self.clock.take(final)
-            ]
+            records += [Marker(t, self.primary.pid, self.primary.pid, "optimizer_step",
+                               f"pyspy:{how}") for t, how in self.clock.take(self._final)]
         return records
 
-    def _phase_records(self, samples: Any) -> list[dict[str, Any]]:
-        records = []
+    def quality(self) -> dict[str, Any]:
+        s = self.sampler
+        return {"samples": s.samples_total, "sampling_errors": s.sampling_errors_total,
+                "lost_windows": s.lost_windows, "gaps": s.gaps, "counter_reads": self._reads,
+                "reads_failed": self._reads_failed}
+
+    def _phase_records(self, samples: Any) -> list[Record]:
+        records: list[Record] = []
         for s in samples:  # in time order
             phase, end = classify_phase(s.frames), s.t_mono_ns + s.duration_ns
             if self._span is not None and self._span[0] == phase:
@@ -95,50 +117,58 @@ class StackMonitor:
         if self._span is not None:
             records.append(self._span_record())
             self._span = [self._span[0], self._span[2], self._span[2]]
-        return [r for r in records if r["end_mono_ns"] > r["t_mono_ns"]]
+        return [r for r in records if isinstance(r, Phase) and r.end_mono_ns > r.t_mono_ns]
 
-    def _span_record(self) -> dict[str, Any]:
+    def _span_record(self) -> Phase:
         assert self._span is not None
         phase, start, end = self._span
-        return {"type": "phase", "t_mono_ns": start, "end_mono_ns": end,
-                "pid": self.primary.pid, "phase": phase}
+        return Phase(start, end, self.primary.pid, phase)
 
-    def _job_iteration(self) -> list[dict[str, Any]]:
+    def _read_locals(self) -> tuple[int, int, list[ThreadStack]]:
+        """(start, end, threads) of one ``dump --locals``; runs in the worker thread."""
         before = monotonic_ns()
-        try:
-            threads = dump_stacks(self.primary.pid, locals_=True)
-        except PerfmonError:
-            return []  # a failed read is no reason to stop; the count from attach stands
+        threads = dump_stacks(self.primary.pid, locals_=True, cancel=self._calls.cancel)
+        return before, monotonic_ns(), threads
+
+    def _counter_read(self, read: tuple[int, int, list[ThreadStack]] | None,
+                      error: BaseException | None) -> list[Record]:
+        if error is not None or read is None:
+            # A failed read is no reason to stop; the count from attach stands.
+            self._reads_failed += 1
+            return []
+        before, end, threads = read
         found = iteration_local(threads, self.names)
         if found is None:
             return []
         name, value = found
         self._counter_found = True
-        end = monotonic_ns()
         if self.clock is not None:
             thread = main_thread(threads)
             phase = classify_phase(thread.frames) if thread is not None else "other"
             self.clock.read(CounterRead(before, end, value, phase))
-        return [{"type": "job_iteration", "t_mono_ns": before, "end_mono_ns": end,
-                 "pid": self.primary.pid, "value": value, "name": name}]
+        return [JobIteration(before, end, self.primary.pid, value, name)]
 
-    def close(self) -> None:
+    def _close(self) -> None:
+        self._calls.close()
         self.sampler.close()
 
 
-def dump_ranks(targets: list[TargetProcess]) -> dict[int, list[ThreadStack]]:
+def dump_ranks(targets: list[TargetProcess], cancel: threading.Event | None = None
+               ) -> dict[int, list[ThreadStack]]:
     """Every rank's Python stacks, with native frames where py-spy can get them.
 
     A native dump pauses the rank once (py-spy cannot unwind a running
-    process); when it fails, the Python-only dump is taken instead.
+    process); when it fails, the Python-only dump is taken instead. Blocking
+    (seconds): run it in a worker (perfmon.probes.background); ``cancel`` stops it.
     """
     stacks: dict[int, list[ThreadStack]] = {}
     for target in targets:
         try:
-            stacks[target.pid] = dump_stacks(target.pid, native=True, timeout_s=30)
+            stacks[target.pid] = dump_stacks(target.pid, native=True, timeout_s=30,
+                                             cancel=cancel)
         except PerfmonError:
             try:
-                stacks[target.pid] = dump_stacks(target.pid)
+                stacks[target.pid] = dump_stacks(target.pid, cancel=cancel)
             except PerfmonError:
                 stacks[target.pid] = []
     return stacks

@@ -1,0 +1,167 @@
+"""From event-log records to iteration logs and final statistics: one small reducer per
+family of numbers, and a dispatcher keyed by record type.
+
+The Summarizer is a pure function of the record stream: the live session feeds
+it each record as it logs it, and ``perfmon-agent summarize`` feeds it the same
+records read back from the log, so both give the same numbers. Adding a metric
+means one record type (perfmon.parsers.events) and one reducer here.
+
+- iterations.IterationClock: markers -> iterations, step times, the job's numbering
+- intervals.Intervals: iteration_logs entries (and their thinning)
+- phases.PhaseAccount: where each iteration's time goes
+- resources.Resources: memory and GPU series, GPU events
+- cuda.CudaActivity: CUDA/NCCL per iteration
+- quality.DataQuality, quality.Hangs: what sources missed; hangs
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from perfmon.agent.model import Workload
+from perfmon.agent.reducers.cuda import CudaActivity
+from perfmon.agent.reducers.intervals import DEFAULT_MAX_LOG_ENTRIES, Intervals
+from perfmon.agent.reducers.iterations import IterationClock
+from perfmon.agent.reducers.phases import PhaseAccount
+from perfmon.agent.reducers.quality import DataQuality, Hangs
+from perfmon.agent.reducers.resources import Resources
+
+__all__ = ["DEFAULT_MAX_LOG_ENTRIES", "Summarizer"]
+
+
+class Summarizer:
+    """Feed records (``feed``); read the iteration logs and the final statistics."""
+
+    def __init__(self, workload: Workload, primary_pid: int, start_t_mono_ns: int,
+                 start_wall_s: float, log_interval: int = 10, *, stack_sampling: bool = False,
+                 phases_continuous: bool = True, cuda_counters: bool = False,
+                 max_log_entries: int | None = DEFAULT_MAX_LOG_ENTRIES) -> None:
+        self.workload = workload
+        self.start_t_mono_ns = start_t_mono_ns
+        self.start_wall_s = start_wall_s
+        self.end_t_mono_ns: int | None = None
+        self.end_reason: str | None = None
+        self.lost_events = 0
+        self.phases = PhaseAccount()
+        self.clock = IterationClock(workload, primary_pid, start_t_mono_ns, self.phases)
+        self.resources = Resources(self.wall_time)
+        self.cuda = CudaActivity(primary_pid) if cuda_counters else None
+        self.quality = DataQuality()
+        self.hangs = Hangs(self.wall_time)
+        self.intervals = Intervals(
+            clock=self.clock, phases=self.phases, resources=self.resources, cuda=self.cuda,
+            log_interval=log_interval, max_log_entries=max_log_entries,
+            # Entries wait for the samples that cover them only when sampling is
+            # continuous; in bursts most intervals have none to wait for.
+            wait_for_phases=stack_sampling and phases_continuous, wall_time=self.wall_time)
+        primary = primary_pid
+        phase_feed = self.phases.feed_phase
+        self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
+            "marker": self._on_marker,
+            "phase": lambda r: phase_feed(r) if r["pid"] == primary else None,
+            "process": self.resources.on_process,
+            "gpu": self.resources.on_gpu,
+            "xid": self.resources.on_gpu_event,
+            "ecc": self.resources.on_gpu_event,
+            "job_iteration": self.clock.job.on_read,
+            "hang": self.hangs.on_hang,
+            "hang_recovered": self.hangs.on_recovered,
+            "quality": self._on_quality,
+            "session_end": self._on_end,
+        }
+        if self.cuda is not None:
+            self._handlers["cuda"] = self.cuda.on_snapshot
+
+    # -- feeding ---------------------------------------------------------------------
+
+    def feed(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take one record; return the iteration_logs entries it completed."""
+        handler = self._handlers.get(record["type"])
+        if handler is not None:
+            handler(record)
+        if not self.intervals.pending:
+            return []
+        return self.intervals.finalize(record["t_mono_ns"], record["type"] == "session_end")
+
+    def _on_marker(self, record: dict[str, Any]) -> None:
+        it = self.clock.on_marker(record)
+        if it is not None:
+            self.intervals.on_iteration(it)
+
+    def _on_quality(self, record: dict[str, Any]) -> None:
+        self.quality.on_quality(record)
+        self.lost_events = sum(c.get("events_dropped", 0)
+                               for c in self.quality.sources.values())
+
+    def _on_end(self, record: dict[str, Any]) -> None:
+        self.end_t_mono_ns, self.end_reason = record["t_mono_ns"], record["reason"]
+        self.clock.job.resolve(None)
+
+    # -- reading -----------------------------------------------------------------------
+
+    @property
+    def iteration_logs(self) -> list[dict[str, Any]]:
+        return self.intervals.entries
+
+    @property
+    def iterations_ended(self) -> int:
+        return self.clock.iterations_ended
+
+    @property
+    def last_end_t_mono_ns(self) -> int | None:
+        return self.clock.last_end_t_mono_ns
+
+    def recent_median_step_ns(self) -> float | None:
+        return self.clock.recent_median_step_ns()
+
+    def wall_time(self, t_mono_ns: int) -> str:
+        """ISO 8601 local time with offset of a CLOCK_MONOTONIC instant."""
+        wall = self.start_wall_s + (t_mono_ns - self.start_t_mono_ns) / 1e9
+        return datetime.fromtimestamp(wall, timezone.utc).astimezone().isoformat()
+
+    def session_fields(self) -> dict[str, Any]:
+        """What the records add to session_info."""
+        fields: dict[str, Any] = {
+            "end_time": (self.wall_time(self.end_t_mono_ns)
+                         if self.end_t_mono_ns is not None else None),
+            "detach_monotonic_ns": self.end_t_mono_ns,
+            "end_reason": self.end_reason,
+            "total_iterations": self.clock.iterations_ended,
+            "hung": self.hangs.hung,
+            "iteration_logs_kept_one_in": self.intervals.log_stride,
+        }
+        if self.clock.job.offset is not None:
+            fields["iteration_numbering"] = (
+                f"the job's own (local variable '{self.clock.job.variable}')")
+        return fields
+
+    def final_statistics(self) -> dict[str, Any]:
+        samples_s, tokens_s, tflops = self.clock.totals.rates(self.workload.world_size)
+        peak = self.workload.peak_tflops
+        steps = self.clock.summary()
+        resources = self.resources.summary()
+        w = self.workload
+        hardware = (tflops * w.hardware_flops_per_sample / w.flops_per_sample
+                    if tflops is not None and w.hardware_flops_per_sample
+                    and w.flops_per_sample else None)
+        stats: dict[str, Any] = {
+            "avg_tflops_per_gpu": tflops,
+            "avg_step_time_ms": steps.pop("avg_step_time_ms"),
+            "peak_memory_gb": resources.pop("peak_memory_gb"),
+            "memory_kind": resources.pop("memory_kind"),
+            "avg_tokens_per_sec": tokens_s,
+            "avg_samples_per_sec": samples_s,
+            **steps,
+            "mfu": tflops / peak if tflops is not None and peak else None,
+            "avg_hardware_tflops_per_gpu": hardware,
+            "lost_events": self.lost_events,
+            **resources,
+            "phases": PhaseAccount.breakdown(self.phases.total_ns, self.phases.total_iterations),
+            "phases_source": self.phases.source,
+            **(self.cuda.summary() if self.cuda is not None else {}),
+            "hangs": self.hangs.hangs,
+            "data_quality": self.quality.summary(),
+        }
+        return stats

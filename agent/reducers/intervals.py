@@ -1,0 +1,119 @@
+"""Interval windows: every ``log_interval`` iterations, one iteration_logs entry.
+
+An entry takes its memory and GPU figures when its last iteration ends, and is
+complete when the stack samples covering it are in (stack sampling continuous)
+and the CUDA snapshot at its end is in, or when it waited
+PHASE_WAIT_NS of record time, or at the session's end; decided by record
+contents alone, so a replay of the log decides the same. Beyond
+``max_log_entries`` the older entries are thinned evenly (``kept_one_in``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from perfmon.agent.reducers.cuda import CudaActivity
+from perfmon.agent.reducers.iterations import Iteration, IterationClock, Totals
+from perfmon.agent.reducers.phases import PhaseAccount
+from perfmon.agent.reducers.resources import Resources
+
+# How long (in record time) an interval entry waits for the samples covering it.
+PHASE_WAIT_NS = 5_000_000_000
+DEFAULT_MAX_LOG_ENTRIES = 2000
+
+
+class Intervals:
+    """Groups iterations into windows and builds their entries from the other reducers."""
+
+    def __init__(self, *, clock: IterationClock, phases: PhaseAccount, resources: Resources,
+                 cuda: CudaActivity | None, log_interval: int, wait_for_phases: bool,
+                 max_log_entries: int | None, wall_time: Any) -> None:
+        self.clock, self.phases, self.resources, self.cuda = clock, phases, resources, cuda
+        self.log_interval = log_interval
+        self.wait_for_phases = wait_for_phases
+        self.max_log_entries = max_log_entries
+        self.wall_time = wall_time
+        self.entries: list[dict[str, Any]] = []  # iteration_logs
+        self.log_stride = 1
+        self._seq: list[int] = []  # interval number of each entry
+        self._logged = 0
+        self._current: list[Iteration] = []
+        self._pending: list[tuple[dict[str, Any], int, int, int]] = []  # entry, start, end, n
+
+    def on_iteration(self, it: Iteration) -> None:
+        self._current.append(it)
+        if len(self._current) < self.log_interval:
+            return
+        its, self._current = self._current, []
+        totals = Totals()
+        for i in its:
+            totals.add(i)
+        samples_s, tokens_s, tflops = totals.rates(self.clock.workload.world_size)
+        end = its[-1].end_t_mono_ns
+        entry = {
+            "end_monotonic_ns": end,
+            "iteration": its[-1].number,
+            "timestamp": self.wall_time(end),
+            "step_time_ms": totals.step_ns / len(its) / 1e6,
+            "TFLOPS_per_GPU": tflops,
+            "tokens_per_sec": tokens_s,
+            "samples_per_sec": samples_s,
+        }
+        # Memory and GPU figures now: their samples are logged as they are taken.
+        start = end - totals.step_ns
+        entry.update(self.resources.interval(start, end))
+        self.resources.prune(end)
+        self._pending.append((entry, start, end, len(its)))
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def finalize(self, now_ns: int | None, final: bool) -> list[dict[str, Any]]:
+        """Entries whose samples are in (or that waited long enough, or ``final``)."""
+        done = []
+        while self._pending:
+            entry, start, end, count = self._pending[0]
+            waited = now_ns is not None and now_ns >= end + PHASE_WAIT_NS
+            phases_in = not self.wait_for_phases or self.phases.watermark_ns >= end
+            cuda_in = self.cuda is None or self.cuda.snapshot(end) is not None
+            if not ((phases_in and cuda_in) or waited or final):
+                break
+            self._pending.pop(0)
+            if self.cuda is not None:
+                entry.update(self.cuda.window(start, end, count))
+                self.cuda.prune(end)
+            per_phase = self.phases.window_ns(start, end)
+            self.phases.record(per_phase, count)
+            self.phases.prune(end)
+            entry["phases"] = PhaseAccount.breakdown(per_phase, count)
+            entry["iteration"] += self.clock.job.offset or 0
+            self._append(entry)
+            done.append(entry)
+        return done
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        """Append to iteration_logs, thinning older entries evenly beyond max_log_entries.
+
+        The newest half stays whole; in the older part one entry in ``log_stride``
+        (by interval number) is kept, the stride doubling as the run goes on, so
+        the older part always samples the run evenly.
+        """
+        self.entries.append(entry)
+        self._seq.append(self._logged)
+        self._logged += 1
+        limit = self.max_log_entries
+        if limit is None or len(self.entries) <= limit:
+            return
+        recent = max(1, limit // 2)
+        while len(self.entries) > limit:
+            old = len(self.entries) - recent
+            keep = [i for i in range(old) if self._seq[i] % self.log_stride == 0]
+            if len(keep) == old:
+                self.log_stride *= 2
+                continue
+            keep += range(old, len(self.entries))
+            self.entries = [self.entries[i] for i in keep]
+            self._seq = [self._seq[i] for i in keep]
+        for i in range(len(self.entries) - recent):
+            self.entries[i]["kept_one_in"] = self.log_stride

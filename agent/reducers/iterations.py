@@ -1,0 +1,238 @@
+"""The iteration clock: which markers end an iteration, each iteration's step time and
+work, and the job's own iteration numbering.
+
+An iteration ends at an ``Optimizer.step`` of the primary rank that follows at
+least one ``backward()`` since the previous end. Steps with no backward between
+them (several optimizers stepping in one iteration, e.g. Megatron's chained
+optimizer for MoE) therefore count once. When no backward has been seen at all
+(no Engine::execute probe), every step ends an iteration. The first end after
+attach only opens the window: the partial iteration before it is not measured.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from array import array
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from perfmon.agent.model import Workload
+from perfmon.agent.reducers.phases import PhaseAccount
+
+
+@dataclass(frozen=True)
+class Iteration:
+    number: int  # 1 = the first iteration that ended after attach
+    end_t_mono_ns: int
+    step_time_ns: int
+    microbatches: int | None
+    samples: int | None
+    tokens: int | None
+    flops: float | None
+
+
+class Totals:
+    """Running sums over measured iterations; a sum turns None once a term is unknown."""
+
+    def __init__(self) -> None:
+        self.step_ns = 0
+        self.samples: float | None = 0
+        self.tokens: float | None = 0
+        self.flops: float | None = 0
+
+    def add(self, it: Iteration) -> None:
+        self.step_ns += it.step_time_ns
+        self.samples = None if self.samples is None or it.samples is None else (
+            self.samples + it.samples)
+        self.tokens = None if self.tokens is None or it.tokens is None else (
+            self.tokens + it.tokens)
+        self.flops = None if self.flops is None or it.flops is None else self.flops + it.flops
+
+    def rates(self, world_size: int) -> tuple[float | None, float | None, float | None]:
+        """(samples/s, tokens/s, TFLOPS per GPU) over the summed time."""
+        seconds = self.step_ns / 1e9
+        if seconds <= 0:
+            return None, None, None
+
+        def per_s(total: float | None) -> float | None:
+            return total / seconds if total is not None else None
+
+        flops = per_s(self.flops)
+        return per_s(self.samples), per_s(self.tokens), (
+            flops / world_size / 1e12 if flops is not None else None)
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not sorted_values:
+        return None
+    pos = (len(sorted_values) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+class IterationClock:
+    """Feeds on the primary rank's markers and the job's counter reads.
+
+    ``on_marker`` returns the Iteration a marker completed (or None). Whole-run
+    state is compact (8 bytes an iteration) for week-long jobs.
+    """
+
+    def __init__(self, workload: Workload, primary_pid: int, start_t_mono_ns: int,
+                 phases: PhaseAccount) -> None:
+        self.workload = workload
+        self.primary_pid = primary_pid
+        self.start_t_mono_ns = start_t_mono_ns
+        self.phases = phases  # backward spans go there too
+        self.iterations_ended = 0
+        self.last_end_t_mono_ns: int | None = None
+        self.estimators: dict[str, int] = {}  # iteration ends by how they were found
+        self.totals = Totals()
+        self._step_ns = array("q")
+        self._microbatches = array("q")
+        self._backwards_since_end = 0
+        self._backward_seen = False
+        self._recent_ends: deque[int] = deque(maxlen=1024)
+        self.job = JobNumbering(self)
+
+    def on_marker(self, record: dict[str, Any]) -> Iteration | None:
+        t_ns = record["t_mono_ns"]
+        # Markers from before the probes were all attached fall outside the window.
+        if record["pid"] != self.primary_pid or t_ns < self.start_t_mono_ns:
+            return None
+        kind = record["kind"]
+        if kind == "backward_enter":
+            self._backwards_since_end += 1
+            self._backward_seen = True
+            self.phases.backward_enter(t_ns)
+            return None
+        if kind == "backward_exit":
+            self.phases.backward_exit(t_ns)
+            return None
+        if kind != "optimizer_step":
+            return None
+        if self._backward_seen and self._backwards_since_end == 0:
+            return None  # another optimizer of the same iteration
+        micro = self._backwards_since_end if self._backward_seen else None
+        self._backwards_since_end = 0
+        self.iterations_ended += 1
+        self._recent_ends.append(t_ns)
+        self.job.on_end(t_ns)
+        previous_end, self.last_end_t_mono_ns = self.last_end_t_mono_ns, t_ns
+        if previous_end is None:
+            return None  # the partial iteration that was running at attach
+        # How this end was found: uprobes (exact), or py-spy's estimators
+        # (perfmon.parsers.sampled_iterations), named by the marker.
+        name = record["name"]
+        how = ((name.partition(":")[2] or "optimizer_frame") if name.startswith("pyspy")
+               else "uprobe")
+        self.estimators[how] = self.estimators.get(how, 0) + 1
+        w = self.workload
+        samples = w.samples(micro)
+        tokens = samples * w.seq_length if samples and w.seq_length else None
+        flops = samples * w.flops_per_sample if samples and w.flops_per_sample else None
+        step_ns = t_ns - previous_end
+        it = Iteration(self.iterations_ended, t_ns, step_ns, micro, samples, tokens, flops)
+        self._step_ns.append(step_ns)
+        if micro is not None:
+            self._microbatches.append(micro)
+        self.totals.add(it)
+        return it
+
+    def count_at(self, t_ns: int) -> int:
+        """Iterations ended at or before ``t_ns`` (among the last 1024 ends)."""
+        return self.iterations_ended - sum(1 for t in self._recent_ends if t > t_ns)
+
+    def last_end_before(self, t_ns: int) -> int:
+        return max((t for t in self._recent_ends if t <= t_ns), default=0)
+
+    def recent_median_step_ns(self) -> float | None:
+        """Median of the last 101 step times (None before any)."""
+        recent = sorted(self._step_ns[-101:])
+        return float(recent[len(recent) // 2]) if recent else None
+
+    def summary(self) -> dict[str, Any]:
+        steps_ms = sorted(ns / 1e6 for ns in self._step_ns)
+        return {
+            "avg_step_time_ms": sum(steps_ms) / len(steps_ms) if steps_ms else None,
+            "p50_step_time_ms": percentile(steps_ms, 0.50),
+            "p90_step_time_ms": percentile(steps_ms, 0.90),
+            "p99_step_time_ms": percentile(steps_ms, 0.99),
+            "min_step_time_ms": steps_ms[0] if steps_ms else None,
+            "max_step_time_ms": steps_ms[-1] if steps_ms else None,
+            "measured_iterations": len(steps_ms),
+            "iteration_estimator": (max(self.estimators, key=self.estimators.__getitem__)
+                                    if self.estimators else None),
+            "iteration_estimators": dict(self.estimators),
+            "microbatches_per_step": (
+                int(statistics.median_low(self._microbatches)) if self._microbatches else None),
+        }
+
+
+class JobNumbering:
+    """Turns reads of the job's counter (``job_iteration`` records) into the offset
+    from our count to the job's own iteration number."""
+
+    def __init__(self, clock: IterationClock) -> None:
+        self.clock = clock
+        self.variable: str | None = None
+        self._reads: list[dict[str, Any]] = []
+        self._offsets: list[int] = []  # exact reads late in a step
+        self._early: list[int] = []  # exact reads early in a step
+        self._bounds: list[tuple[int, int]] = []
+
+    def on_read(self, record: dict[str, Any]) -> None:
+        self._reads.append(record)
+        self.variable = record["name"]
+
+    def on_end(self, t_ns: int) -> None:
+        if self._reads:
+            self.resolve(t_ns)
+
+    def resolve(self, until_ns: int | None) -> None:
+        """Turn reads into offsets from our count.
+
+        A read made between ``t_mono_ns`` and ``end_mono_ns`` is resolved once an
+        iteration end after it has been seen (``until_ns``; None: now, at the
+        end), so every end before it is counted. With no end inside the read's
+        window the offset is exact; otherwise each read bounds it, and the
+        bounds of all reads are intersected.
+        """
+        unresolved = []
+        clock = self.clock
+        for read in self._reads:
+            if until_ns is not None and read["end_mono_ns"] >= until_ns:
+                unresolved.append(read)
+                continue
+            before = clock.count_at(read["t_mono_ns"])
+            after = clock.count_at(read["end_mono_ns"])
+            if before == after:
+                # Right after a step entry the job has not yet counted that step
+                # (it increments after the optimizer returns): a read late in the
+                # step is the one to trust.
+                since = read["t_mono_ns"] - clock.last_end_before(read["t_mono_ns"])
+                median = clock.recent_median_step_ns()
+                late = median is None or since > median / 2
+                (self._offsets if late else self._early).append(read["value"] - before)
+            else:
+                self._bounds.append((read["value"] - after, read["value"] - before))
+        self._reads = unresolved
+
+    @property
+    def offset(self) -> int | None:
+        """Our iteration count plus this is the job's own number (None: not read).
+
+        The most frequent exact offset of reads late in a step, else of reads
+        early in one (which can race the job's increment), else the middle of the
+        intersected bounds.
+        """
+        for offsets in (self._offsets, self._early):
+            if offsets:
+                return max(set(offsets), key=offsets.count)
+        if self._bounds:
+            lo = max(b[0] for b in self._bounds)
+            hi = min(b[1] for b in self._bounds)
+            return (lo + hi) // 2 if lo <= hi else self._bounds[-1][0]
+        return None

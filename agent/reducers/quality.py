@@ -1,0 +1,74 @@
+"""What each source saw and missed (``final_statistics.data_quality``), and the hangs.
+
+Sources log their cumulative counters as ``quality`` records; the latest of each
+source is what the summary shows, with a one-line hint for every loss, so a quiet
+number is told apart from a blind one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# Counters that are losses, and what to do about each.
+HINTS = {
+    "events_dropped": "the ring buffer overflowed: events were lost (the agent was starved "
+                      "of CPU; see lost_events)",
+    "snapshots_dropped": "CUDA step snapshots were lost to a full ring buffer",
+    "lost_windows": "py-spy windows gave no samples: check the py-spy errors in last_error",
+    "gaps": "holes between py-spy windows: phases there are unsampled",
+    "sampling_errors": "py-spy could not read some stacks (the job ran while it read); "
+                       "harmless in small numbers",
+    "missed_slots": "NVML samples were late or skipped (the agent was busy)",
+    "read_errors": "reads of /proc failed (a rank exited)",
+    "sync_untracked": "blocking CUDA calls whose return was not seen are not timed",
+    "nccl_unknown_dtype_calls": "NCCL calls with an unknown datatype: bytes not counted",
+    "attach_failed": "the source could not attach to some rank",
+    "reads_failed": "reads of the job's iteration counter failed",
+}
+
+
+class DataQuality:
+    """Feeds on ``quality`` records (latest counters per source wins)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, dict[str, Any]] = {}
+
+    def on_quality(self, record: dict[str, Any]) -> None:
+        self.sources[record["source"]] = dict(record.get("counters") or {})
+
+    def losses(self) -> list[str]:
+        """One line per loss: "source: counter N (hint)"."""
+        lines = []
+        for source, counters in sorted(self.sources.items()):
+            for name, value in sorted(counters.items()):
+                if name in HINTS and isinstance(value, int) and value > 0:
+                    lines.append(f"{source}: {name} {value} ({HINTS[name]})")
+        return lines
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "sources": {name: dict(sorted(c.items())) for name, c in sorted(self.sources.items())},
+            "losses": self.losses(),
+        }
+
+
+class Hangs:
+    """Feeds on ``hang`` and ``hang_recovered`` records."""
+
+    def __init__(self, wall_time: Callable[[int], str]) -> None:
+        self.wall_time = wall_time
+        self.hangs: list[dict[str, Any]] = []
+
+    def on_hang(self, record: dict[str, Any]) -> None:
+        fields = {k: v for k, v in record.items() if k != "type"}
+        self.hangs.append({**fields, "timestamp": self.wall_time(record["t_mono_ns"]),
+                           "recovered_at": None})
+
+    def on_recovered(self, record: dict[str, Any]) -> None:
+        if self.hangs:
+            self.hangs[-1]["recovered_at"] = self.wall_time(record["t_mono_ns"])
+
+    @property
+    def hung(self) -> bool:
+        return bool(self.hangs) and self.hangs[-1]["recovered_at"] is None
