@@ -14,12 +14,14 @@ from typing import Any
 
 from perfmon.agent.argtypes import (
     OneLineParser,
+    non_negative_float,
     pid,
     positive_float,
     positive_int,
     power_of_two,
     regex,
 )
+from perfmon.agent.budget import DEFAULT_BUDGET_PCT
 from perfmon.agent.console import (
     PROG,
     Output,
@@ -136,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "iteration, iter_num, step, global_step)")
     attach.add_argument("--no-stack-sampling", action="store_true",
                         help="no py-spy sampling in uprobe mode (no phase breakdown)")
+    attach.add_argument(
+        "--cpu-budget", type=non_negative_float, default=DEFAULT_BUDGET_PCT, metavar="PCT",
+        help="the agent's CPU (py-spy included) per monitored rank, in %% of a core: stacks "
+        "are sampled in bursts to fit; 0 samples them continuously (default: %(default)s)")
     attach.add_argument("--stack-rate", type=positive_int, default=DEFAULT_RATE_HZ,
                         metavar="HZ", help="py-spy samples a second (default: %(default)s)")
     attach.add_argument("--hang-factor", type=positive_float, default=10.0, metavar="K",
@@ -237,7 +243,7 @@ def _attach(args: argparse.Namespace) -> int:
         output_dir=args.output_dir, log_interval=args.log_interval, duration_s=args.duration,
         peak_tflops=args.peak_tflops, dtype=args.dtype, health_check=args.health_check,
         iteration_source=args.iteration_source, probe_backend=args.probe_backend,
-        ring_pages=args.ring_buffer_pages,
+        ring_pages=args.ring_buffer_pages, cpu_budget_pct=args.cpu_budget,
         iteration_function=args.iteration_function,
         iteration_variable=args.iteration_variable, stack_sampling=not args.no_stack_sampling,
         stack_rate_hz=args.stack_rate, hang_factor=args.hang_factor,

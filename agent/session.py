@@ -21,6 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from perfmon.agent.budget import DEFAULT_BUDGET_PCT, CpuBudget
 from perfmon.agent.eventlog import DEFAULT_PART_BYTES, EventLogWriter
 from perfmon.agent.health import run_health_check
 from perfmon.agent.model import Workload, build_workload, explicit_model_fields, resolve_model
@@ -94,6 +95,7 @@ class AttachOptions:
     max_log_entries: int = DEFAULT_MAX_LOG_ENTRIES
     event_log_part_bytes: int = DEFAULT_PART_BYTES
     ring_pages: int = DEFAULT_RING_PAGES  # the bcc marker probe's ring buffer
+    cpu_budget_pct: float = DEFAULT_BUDGET_PCT  # per rank; 0: sample stacks continuously
 
 
 @dataclass
@@ -126,6 +128,7 @@ class _Live:
     summarizer: Summarizer
     facts: dict[str, Any]
     dumps: BackgroundCalls
+    budget: CpuBudget
     quality: dict[str, dict[str, Any]] = field(default_factory=dict)  # last logged, per source
 
 
@@ -198,10 +201,15 @@ class MonitorSession:
                                             "reason": "no uprobes (py-spy mode)"}))
             memory = started(stack, MemorySource(pids, opts.memory_interval_s), self._warning)
             sources = [s for s in (probe, stacks, cuda, memory, gpu) if s is not None]
+            # Within the CPU budget, stacks are sampled in bursts; iterations from
+            # samples (py-spy mode) need them continuously.
+            bursts = stacks is not None and probe is not None and opts.cpu_budget_pct > 0
             facts_extra = {
                 "iteration_source": "pyspy" if probe is None else "uprobe",
                 "probe_backend": backend, "gpu": gpu.info, "cuda": cuda_info,
                 "stack_sampling": stacks is not None, "health": health,
+                "stack_sampling_mode": "bursts" if bursts else "continuous",
+                "cpu_budget_pct_per_rank": opts.cpu_budget_pct or None,
                 "model": {**model.description, **model_info},
             }
             dumps = BackgroundCalls("perfmon-hang-dump")
@@ -241,11 +249,15 @@ class MonitorSession:
         summarizer = Summarizer(
             workload, primary.pid, start_ns, start_wall.timestamp(), opts.log_interval,
             stack_sampling=stacks is not None, cuda_counters=facts["cuda"]["available"],
+            phases_continuous=facts["stack_sampling_mode"] != "bursts",
             max_log_entries=opts.max_log_entries)
         summary_file, log = self._claim_files(
             out, start_wall.strftime("%Y%m%d_%H%M%S"), facts, summarizer)
         facts["event_log"] = log.name
-        live = _Live(targets, sources, stacks, out, log, summary_file, summarizer, facts, dumps)
+        budget = CpuBudget(opts.cpu_budget_pct, len(targets),
+                           stacks if facts["stack_sampling_mode"] == "bursts" else None)
+        live = _Live(targets, sources, stacks, out, log, summary_file, summarizer, facts, dumps,
+                     budget)
         log.append(SessionStart(start_ns, facts).to_record())
         return live
 
@@ -266,6 +278,7 @@ class MonitorSession:
                 now = monotonic_ns()
                 if self._check_hang(live, now):
                     completed = True
+                live.budget.update(now, self._hang_suspected(live, now))
                 if (completed and now >= next_write) or now >= next_refresh:
                     self._write(live)
                     spent = SUMMARY_WRITE_BUDGET * (monotonic_ns() - now)
@@ -327,13 +340,14 @@ class MonitorSession:
         return bool(entries)
 
     def _log_quality(self, live: _Live) -> None:
-        """A ``quality`` record for every source whose counters moved since the last one."""
+        """A ``quality`` record for every source whose counters moved since the last one
+        (and for the agent itself: its CPU per rank against the budget)."""
         now = monotonic_ns()
-        for source in live.sources:
-            counters = source.quality()
-            if counters and counters != live.quality.get(source.name):
-                live.quality[source.name] = counters
-                self._log(live, Quality(now, source.name, counters).to_record())
+        counted = [(s.name, s.quality()) for s in live.sources]
+        for name, counters in [*counted, ("agent", live.budget.state())]:
+            if counters and counters != live.quality.get(name):
+                live.quality[name] = counters
+                self._log(live, Quality(now, name, counters).to_record())
 
     # -- files -----------------------------------------------------------------------
 
@@ -393,6 +407,19 @@ class MonitorSession:
         except NvmlUnavailable as err:
             return {"available": False, "reason": str(err)}
 
+    def _hang_threshold_ns(self, live: _Live) -> tuple[int, float]:
+        """(last iteration end or attach, the no-iteration time that makes a hang)."""
+        summarizer = live.summarizer
+        last = summarizer.last_end_t_mono_ns or summarizer.start_t_mono_ns
+        median = summarizer.recent_median_step_ns()
+        return last, max(self.options.hang_factor * (median or 0),
+                         self.options.hang_timeout_s * 1e9)
+
+    def _hang_suspected(self, live: _Live, now_ns: int) -> bool:
+        """Half way to a hang, or in one: the stacks are then sampled continuously."""
+        last, threshold_ns = self._hang_threshold_ns(live)
+        return self._hang_since is not None or now_ns - last >= threshold_ns / 2
+
     def _check_hang(self, live: _Live, now_ns: int) -> bool:
         """Declare a hang, or its end; True on an end.
 
@@ -409,10 +436,8 @@ class MonitorSession:
                 self.warn("iterations resumed after the hang")
                 return True
             return False
-        last = summarizer.last_end_t_mono_ns or summarizer.start_t_mono_ns
+        last, threshold_ns = self._hang_threshold_ns(live)
         median = summarizer.recent_median_step_ns()
-        threshold_ns = max(self.options.hang_factor * (median or 0),
-                           self.options.hang_timeout_s * 1e9)
         if now_ns - last < threshold_ns:
             return False
         self._hang_since = summarizer.iterations_ended

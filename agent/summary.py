@@ -109,7 +109,7 @@ def summarizer_for(facts: dict[str, Any]) -> Summarizer:
         datetime.fromisoformat(facts["start_time"]).timestamp(),
         facts["log_interval"],
         stack_sampling=bool(sampling),
-        phases_continuous=facts.get("stack_sampling_duty", 1.0) >= 1.0,
+        phases_continuous=facts.get("stack_sampling_mode") != "bursts",
         cuda_counters=facts.get("cuda", {}).get("available", False),
         max_log_entries=facts.get("iteration_logs_max_entries"),
     )

@@ -68,6 +68,7 @@ from perfmon.probes.sampler import Sampler, monotonic_ns
 
 DEFAULT_RATE_HZ = 100
 DEFAULT_WINDOW_S = 1.0
+MIN_DUTY = 0.01  # at least one 1 s window every 100 s
 # From spawning py-spy to the Instant::now() that is its chrometrace's ts = 0:
 # exec of the static binary, Rust start-up and argument parsing. Measured with
 # a uprobe on py-spy 0.4.3's Chrometrace::increment (docs/pyspy.md): median
@@ -218,6 +219,7 @@ class _Window:
     output: str
     origin_ns: int  # CLOCK_MONOTONIC of the chrometrace's ts = 0
     stop_ns: int | None = None  # when we told it to stop; the next window covers from here
+    pause_after: bool = False  # stopped at the end of a burst: no window follows at once
     stdout: bytes = b""
     stderr: bytes = b""
 
@@ -286,6 +288,8 @@ class PySpySampler(Sampler[StackSample]):
         self.sampling_errors_total = 0
         self.lost_windows = 0
         self.gaps = 0
+        self.sampled_ns = 0  # time the samples delivered so far cover
+        self.duty = 1.0
         self.last_error: str | None = None
         self._lanes: list[_Lane] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -341,6 +345,15 @@ class PySpySampler(Sampler[StackSample]):
         samples.sort(key=lambda s: (s.t_mono_ns, s.pid, s.tid))
         return samples
 
+    def set_duty(self, duty: float) -> None:
+        """Sample this share of the time (0.01..1): one window every window_s / duty.
+
+        At 1 the windows follow each other seamlessly; below, each window is
+        stopped after window_s and the next one starts later (bursts), which
+        costs py-spy's CPU in proportion.
+        """
+        self.duty = min(1.0, max(MIN_DUTY, duty))
+
     def _advance(self, lane: _Lane, now: int) -> None:
         """Hand over from the current window to the next one once that one samples."""
         if lane.pending is not None:
@@ -356,7 +369,15 @@ class PySpySampler(Sampler[StackSample]):
         if lane.current is not None and lane.current.proc.poll() is not None:
             lane.finishing.append(lane.current)  # ended by itself: target exited, or capped
             lane.current = None
-        due = now - lane.last_launch_ns >= self.window_ns
+        period = int(self.window_ns / self.duty)
+        if (self.duty < 1.0 and lane.current is not None
+                and now - lane.last_launch_ns >= self.window_ns):
+            # A burst ends: stop this window now; the next one starts a period after it.
+            lane.current.stop()
+            lane.current.pause_after = True
+            lane.finishing.append(lane.current)
+            lane.current = None
+        due = now - lane.last_launch_ns >= period
         if due and lane.pending is None and not lane.ended:
             lane.pending = self._launch(lane)
 
@@ -387,10 +408,10 @@ class PySpySampler(Sampler[StackSample]):
             self.lost_windows += 1
             self.last_error = f"pid {lane.pid}: {err}"
             return []
-        return self._join(lane, samples, window.stop_ns)
+        return self._join(lane, samples, window.stop_ns, window.pause_after)
 
-    def _join(self, lane: _Lane, samples: list[StackSample], stop_ns: int | None
-              ) -> list[StackSample]:
+    def _join(self, lane: _Lane, samples: list[StackSample], stop_ns: int | None,
+              pause_after: bool = False) -> list[StackSample]:
         """This window's samples from where the previous one stopped to where it was stopped.
 
         The next window already samples when we stop this one, and this one's
@@ -409,6 +430,9 @@ class PySpySampler(Sampler[StackSample]):
             self.gaps += 1
         start = start if start is not None else samples[0].t_mono_ns
         lane.covered_until_ns = max(lane.covered_until_ns or 0, end)
+        self.sampled_ns += max(0, end - start)
+        if pause_after:
+            lane.covered_until_ns = None  # a pause between bursts is no gap
         kept = []
         for s in samples:
             t0, t1 = max(s.t_mono_ns, start), min(s.t_mono_ns + s.duration_ns, end)

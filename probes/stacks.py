@@ -70,6 +70,16 @@ class StackSource(Source):
     def _start(self) -> None:
         self.sampler.start()
 
+    def set_duty(self, duty: float) -> None:
+        """Sample this share of the time (bursts; 1 = continuously). Iterations from
+        samples need continuous sampling, so a source that finds them stays at 1."""
+        if self.clock is None:
+            self.sampler.set_duty(duty)
+
+    @property
+    def duty(self) -> float:
+        return self.sampler.duty
+
     def settle(self) -> None:
         """The session ends: the next poll settles every iteration end still held."""
         self._final = True
@@ -102,7 +112,8 @@ class StackSource(Source):
         s = self.sampler
         return {"samples": s.samples_total, "sampling_errors": s.sampling_errors_total,
                 "lost_windows": s.lost_windows, "gaps": s.gaps, "counter_reads": self._reads,
-                "reads_failed": self._reads_failed}
+                "reads_failed": self._reads_failed, "sampled_s": round(s.sampled_ns / 1e9, 1),
+                "duty_pct": round(100 * s.duty, 1)}
 
     def _phase_records(self, samples: Any) -> list[Record]:
         records: list[Record] = []

@@ -26,12 +26,16 @@ def test_slow_data_loader_is_the_largest_phase_and_shares_add_up(start_target, a
     shares = {name: p["share"] for name, p in phases.items()}
     assert max(shares, key=shares.get) == "data_loading"
     assert sum(shares.values()) == pytest.approx(1.0, abs=0.01)
-    # Per phase ms add up to the step time of the intervals they cover.
-    steps = [e["step_time_ms"] for e in summary["iteration_logs"]]
+    # Per phase ms add up to the step time of the intervals they cover (the stacks are
+    # sampled in bursts, within the CPU budget: only some intervals have phases).
+    covered = [e for e in summary["iteration_logs"] if e["phases"] is not None]
+    assert covered
+    steps = [e["step_time_ms"] for e in covered]
     assert sum(p["ms"] for p in phases.values()) == pytest.approx(
-        sum(steps) / len(steps), rel=0.02)
-    for entry in summary["iteration_logs"]:
+        sum(steps) / len(steps), rel=0.05)
+    for entry in covered:
         assert sum(p["share"] for p in entry["phases"].values()) == pytest.approx(1.0, abs=0.01)
+    assert summary["session_info"]["stack_sampling_mode"] == "bursts"
 
 
 def test_stalled_job_gives_a_hang_report_naming_the_function_and_a_hung_summary(

@@ -44,7 +44,7 @@ class Summarizer:
         self.end_t_mono_ns: int | None = None
         self.end_reason: str | None = None
         self.lost_events = 0
-        self.phases = PhaseAccount()
+        self.phases = PhaseAccount(bursts=stack_sampling and not phases_continuous)
         self.clock = IterationClock(workload, primary_pid, start_t_mono_ns, self.phases)
         self.resources = Resources(self.wall_time)
         self.cuda = CudaActivity(primary_pid) if cuda_counters else None

@@ -25,7 +25,11 @@ def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
 
 
 class PhaseAccount:
-    def __init__(self) -> None:
+    """``bursts``: stack samples come in bursts (a CPU budget), so a window without
+    samples has no sampled phases rather than all of its time in ``other``."""
+
+    def __init__(self, bursts: bool = False) -> None:
+        self.bursts = bursts
         self._spans: list[tuple[int, int, str]] = []  # (start, end, phase), sampled
         self._backward: list[tuple[int, int]] = []  # (enter, exit), uprobes
         self._backward_open: int | None = None
@@ -63,7 +67,7 @@ class PhaseAccount:
         backward = sum(_overlap(b0, b1, start_ns, end_ns) for b0, b1 in self._backward)
         if self._backward_open is not None:
             backward += _overlap(self._backward_open, end_ns, start_ns, end_ns)
-        if not self.probed and not any(sampled.values()):
+        if not any(sampled.values()) and (not self.probed or self.bursts):
             return None
         if not self.probed:
             result = sampled
