@@ -21,6 +21,9 @@ from perfmon.probes.stacks import StackSource
 
 PERIOD_S = 10.0
 DEFAULT_BUDGET_PCT = 1.0
+# The controller aims a little under the budget: its measure is of the last
+# period, and the job's own pace (hence the agent's work) varies.
+AIM = 0.9
 # py-spy at 100 Hz on one PyTorch process, continuously: ~4-5% of a core (docs/pyspy.md).
 SAMPLING_PCT_GUESS = 5.0
 BASE_PCT_GUESS = 0.3
@@ -44,7 +47,7 @@ class CpuBudget:
         self._mark = (monotonic_ns(), *_cpu_s())
         self._hang = False
         if stacks is not None:
-            allowed = budget_pct * self.ranks - BASE_PCT_GUESS
+            allowed = AIM * budget_pct * self.ranks - BASE_PCT_GUESS
             stacks.set_duty(allowed / SAMPLING_PCT_GUESS)
 
     def update(self, now_ns: int, hang_suspected: bool) -> None:
@@ -64,7 +67,7 @@ class CpuBudget:
             return
         duty = self.stacks.duty
         per_duty = sampling_pct / duty if sampling_pct > 0 and duty > 0 else SAMPLING_PCT_GUESS
-        allowed = self.budget_pct * self.ranks - base_pct
+        allowed = AIM * self.budget_pct * self.ranks - base_pct
         target = max(MIN_DUTY, min(1.0, allowed / per_duty))
         # Halfway there each period (geometrically): no oscillation on noisy measures.
         self.stacks.set_duty((duty * target) ** 0.5)

@@ -7,7 +7,6 @@ Every error the agent knows about is one line on stderr and an exit code
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from perfmon.agent.stacks import add_stacks_arguments, stacks_main
 from perfmon.agent.summary import rebuild_from_event_log
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.peak_tflops import DTYPES
+from perfmon.probes.cuda import LAUNCH_MODES
 from perfmon.probes.pyspy import DEFAULT_RATE_HZ
 from perfmon.probes.uprobes import DEFAULT_RING_PAGES
 from rich.console import Console
@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-budget", type=non_negative_float, default=DEFAULT_BUDGET_PCT, metavar="PCT",
         help="the agent's CPU (py-spy included) per monitored rank, in %% of a core: stacks "
         "are sampled in bursts to fit; 0 samples them continuously (default: %(default)s)")
+    attach.add_argument(
+        "--cuda-launches", choices=LAUNCH_MODES, default="sampled",
+        help="count kernel launches on one iteration in every N, N adapted to keep the "
+        "cost under 0.5%% of the step time (sampled), on every iteration (always: a "
+        "~11 us trap per launch), or not at all (off) (default: %(default)s)")
     attach.add_argument("--stack-rate", type=positive_int, default=DEFAULT_RATE_HZ,
                         metavar="HZ", help="py-spy samples a second (default: %(default)s)")
     attach.add_argument("--hang-factor", type=positive_float, default=10.0, metavar="K",
@@ -244,6 +249,7 @@ def _attach(args: argparse.Namespace) -> int:
         peak_tflops=args.peak_tflops, dtype=args.dtype, health_check=args.health_check,
         iteration_source=args.iteration_source, probe_backend=args.probe_backend,
         ring_pages=args.ring_buffer_pages, cpu_budget_pct=args.cpu_budget,
+        cuda_launches=args.cuda_launches,
         iteration_function=args.iteration_function,
         iteration_variable=args.iteration_variable, stack_sampling=not args.no_stack_sampling,
         stack_rate_hz=args.stack_rate, hang_factor=args.hang_factor,
@@ -256,7 +262,7 @@ def _attach(args: argparse.Namespace) -> int:
     out.print(f"Attaching to pid {args.pid}... Ctrl-C to end.")
     result = session.run()
     if args.json:
-        out.write(json.dumps(result.summary, indent=2) + "\n")
+        out.write(json_bytes(result.summary).decode())
     else:
         out.table(lambda: print_summary_table(out.console, result.summary, result.summary_path))
     for loss in result.summary["final_statistics"]["data_quality"]["losses"]:
@@ -276,7 +282,7 @@ def _summarize(args: argparse.Namespace) -> int:
     write_user_file(output, json_bytes(rebuilt.summary))
     out = Output()
     if args.json:
-        out.write(json.dumps(rebuilt.summary, indent=2) + "\n")
+        out.write(json_bytes(rebuilt.summary).decode())
     else:
         out.table(lambda: print_summary_table(out.console, rebuilt.summary, output))
     return 0

@@ -68,9 +68,19 @@ def finite(value: Any) -> Any:
     return value
 
 
-def json_bytes(document: Any) -> bytes:
-    """Strict JSON (no NaN or Infinity), indented, with a final newline."""
-    return (json.dumps(finite(document), indent=2, allow_nan=False) + "\n").encode()
+def json_bytes(document: Any, *, compact: bool = False) -> bytes:
+    """Strict JSON (no NaN or Infinity: None instead), with a final newline.
+
+    Indented unless ``compact``: json's C encoder only runs without indentation,
+    and is ~10 times faster on a summary of 2,000 interval entries, so the
+    session's periodic rewrites are compact and its final summary indented.
+    """
+    indent = None if compact else 2
+    try:
+        text = json.dumps(document, indent=indent, allow_nan=False)
+    except ValueError:  # a NaN or an infinity somewhere: the slow walk, once
+        text = json.dumps(finite(document), indent=indent, allow_nan=False)
+    return (text + "\n").encode()
 
 
 def _walk_dir(path: Path, create: bool, what: str = "output dir") -> int:

@@ -56,16 +56,16 @@ from perfmon.probes.sampler import Source, monotonic_ns
 from perfmon.probes.stacks import StackSource, dump_ranks, main_python_stacks
 from perfmon.probes.uprobes import DEFAULT_RING_PAGES
 
-POLL_INTERVAL_S = 0.1
+POLL_INTERVAL_S = 0.2  # the ring buffer holds ~2,900 markers: 14,000 a second
 LIVENESS_INTERVAL_NS = 500_000_000
 # The summary is rewritten when a log interval completes, but not more often
-# than once a second, and at least every 5 s so a long interval (or a stalled
-# job) does not leave the file stale. Both stretch to 50 x the last write's
+# than every 5 s, and at least every 15 s so a long interval (or a stalled job)
+# does not leave the file stale. Both stretch to 200 x the last write's
 # duration: iteration_logs grows all run long, and rewriting (and fsyncing) it
-# must stay a small share of the agent's time on a core the job may need.
-SUMMARY_MIN_INTERVAL_NS = 1_000_000_000
-SUMMARY_REFRESH_NS = 5_000_000_000
-SUMMARY_WRITE_BUDGET = 50
+# must stay within the agent's CPU budget (half a percent of a core for this).
+SUMMARY_MIN_INTERVAL_NS = 5_000_000_000
+SUMMARY_REFRESH_NS = 15_000_000_000
+SUMMARY_WRITE_BUDGET = 200
 HEALTH_WINDOW_S = 5.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -96,6 +96,7 @@ class AttachOptions:
     event_log_part_bytes: int = DEFAULT_PART_BYTES
     ring_pages: int = DEFAULT_RING_PAGES  # the bcc marker probe's ring buffer
     cpu_budget_pct: float = DEFAULT_BUDGET_PCT  # per rank; 0: sample stacks continuously
+    cuda_launches: str = "sampled"  # sampled | always | off (perfmon.probes.cuda)
 
 
 @dataclass
@@ -196,7 +197,8 @@ class MonitorSession:
             probe, backend = open_iteration_source(opts, targets, stack, self._warning,
                                                    can_probe)
             stacks = open_stack_source(opts, primary, probe is None, stack, self._warning)
-            cuda, cuda_info = (open_cuda_source(targets, stack, self._warning) if probe
+            cuda, cuda_info = (open_cuda_source(targets, opts.cuda_launches, stack,
+                                                self._warning) if probe
                                else (None, {"available": False,
                                             "reason": "no uprobes (py-spy mode)"}))
             memory = started(stack, MemorySource(pids, opts.memory_interval_s), self._warning)
@@ -385,8 +387,8 @@ class MonitorSession:
         log, summary_file = live.log, live.summary_file
         for what, ok, error in (
             ("event log", log.flush(), log.error),
-            ("summary", summary_file.write(build_summary(live.facts, live.summarizer)),
-             summary_file.error),
+            ("summary", summary_file.write(build_summary(live.facts, live.summarizer),
+                                           compact=True), summary_file.error),
         ):
             failing = self._failing.get(what, False)
             if not ok and not failing:

@@ -129,10 +129,11 @@ def open_stack_source(options: AttachOptions, primary: TargetProcess, iterations
     return source
 
 
-def open_cuda_source(targets: list[TargetProcess], stack: ExitStack,
+def open_cuda_source(targets: list[TargetProcess], launches: str, stack: ExitStack,
                      warn: Callable[[str], None]) -> tuple[CudaSource | None, dict[str, object]]:
-    """CUDA/NCCL counters for jobs that loaded libcudart, libcuda or libnccl."""
-    source = CudaSource(targets)
+    """CUDA/NCCL counters for jobs that loaded libcudart, libcuda or libnccl
+    (``launches``: sampled, always or off; see perfmon.probes.cuda.CudaSource)."""
+    source = CudaSource(targets, launches)
     try:
         started(stack, source, warn)
     except PerfmonError as err:
@@ -142,4 +143,4 @@ def open_cuda_source(targets: list[TargetProcess], stack: ExitStack,
         warn(text)
     if not source.available:
         return None, {"available": False, "reason": source.reason}
-    return source, {"available": True, "attached": source.attached}
+    return source, {"available": True, "attached": source.attached, "launches": launches}

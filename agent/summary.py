@@ -18,7 +18,7 @@ from typing import Any
 
 from perfmon.agent.eventlog import part_name
 from perfmon.agent.model import Workload
-from perfmon.agent.outputs import WRITE_ERRNOS, OutputDir, finite, json_bytes
+from perfmon.agent.outputs import WRITE_ERRNOS, OutputDir, json_bytes
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.errors import EventLogError
 from perfmon.parsers.events import EventLogReader
@@ -26,17 +26,18 @@ from perfmon.probes.files import InputFileError, open_user_file
 
 
 def build_summary(session: dict[str, Any], summarizer: Summarizer) -> dict[str, Any]:
-    """The summary document for the records the summarizer has seen so far.
+    """The summary document for the records the summarizer has seen so far (written
+    with json_bytes, which turns a NaN or an infinity into null).
 
     ``end_time`` is null while the session runs; ``end_reason`` says why it
     ended (target_exited, duration, SIGINT, SIGTERM, SIGHUP, stdout_closed, error,
     or log_truncated for a summary rebuilt from the log of an agent that was killed).
     """
-    return finite({
+    return {
         "session_info": {**session, **summarizer.session_fields()},
         "final_statistics": summarizer.final_statistics(),
         "iteration_logs": summarizer.iteration_logs,
-    })
+    }
 
 
 class SummaryFile:
@@ -55,9 +56,11 @@ class SummaryFile:
     def path(self) -> Path:
         return self.out.path / self.name
 
-    def write(self, document: dict[str, Any]) -> bool:
+    def write(self, document: dict[str, Any], *, compact: bool = False) -> bool:
+        """Replace the file (``compact`` JSON for the frequent rewrites); False when the
+        disk refused (``error``)."""
         try:
-            self.out.replace(self.name, json_bytes(document))
+            self.out.replace(self.name, json_bytes(document, compact=compact))
         except OSError as err:
             if err.errno not in WRITE_ERRNOS:
                 raise

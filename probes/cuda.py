@@ -150,6 +150,10 @@ SYNC_SYMBOLS = (
 )
 
 _ENTRY, _ENTRY_AND_RETURN = "entry", "entry+return"
+# Kernel launches: "always" probed (a trap per launch: ~11 us here), "sampled"
+# (probed for one iteration in every N), or "off".
+LAUNCH_MODES = ("sampled", "always", "off")
+_LAUNCH_PROGRAMS = ("on_runtime_launch", "on_driver_launch")
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,12 @@ _MAX_TEXT_RANGES = 4
 _NCCL_DTYPES = 16
 _MAX_SYNC_THREADS = 16384
 _STEP_EVENT_PAGES = 64  # 256 KiB: ~1,000 step snapshots between two polls
+# Sampled launch counting: one probed iteration in every N, N adapted (within these
+# bounds) so that probing costs at most LAUNCH_BUDGET of the step time overall.
+LAUNCH_BUDGET = 0.005
+FIRST_SAMPLE_EVERY = 50
+MIN_SAMPLE_EVERY = 10
+MAX_SAMPLE_EVERY = 100_000
 
 
 @dataclass(frozen=True)
@@ -339,9 +349,12 @@ class CudaActivityProbe(Sampler[CudaCounters]):
     NoSuchProcess when a target has exited.
     """
 
-    def __init__(self, targets: list[TargetProcess]) -> None:
+    def __init__(self, targets: list[TargetProcess], launches: str = "always") -> None:
         super().__init__()
+        if launches not in LAUNCH_MODES:
+            raise ValueError(f"launches must be one of {LAUNCH_MODES}, not {launches!r}")
         self.targets = targets
+        self.launches = launches
         self.available = False
         self.reason: str | None = None
         self.attached: dict[str, list[str]] = {}
@@ -351,6 +364,10 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         self._pids: list[int] = []
         self._pending_steps: list[CudaCounters] = []
         self._libraries: list[MappedLibrary] = []  # held open while probed
+        # The launch entry points, attached with the rest ("always"), never ("off"),
+        # or by attach_launches()/detach_launches() ("sampled").
+        self._launch_plan: dict[int, list[tuple[str, MappedLibrary, str, str, str]]] = {}
+        self._launch_fds: list[bytes] = []  # bcc event names of the attached launch probes
 
     def _start(self) -> None:
         loaded = [_find_libraries(t) for t in self.targets]
@@ -383,14 +400,22 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         self._compile()
         try:
             self._fill_tables(probed)
+            for found in probed:
+                plan = plans[found.target.pid]
+                launch = [e for e in plan if e[3] in _LAUNCH_PROGRAMS]
+                if self.launches != "always":
+                    plans[found.target.pid] = [e for e in plan if e not in launch]
+                    sampled = self.launches == "sampled"
+                    self._launch_plan[found.target.pid] = launch if sampled else []
             failures = [err for f in probed for err in self._attach(f.target, plans[f.target.pid])]
-            if not self.attached:
+            if not self.attached and not any(self._launch_plan.values()):
                 raise PrerequisiteMissing(
                     f"pid {os.getpid()} (perfmon-agent): no CUDA/NCCL uprobe could be attached: "
                     + "; ".join(failures))
-            self._pids = [f.target.pid for f in probed if plans[f.target.pid]]
+            self._pids = [f.target.pid for f in probed
+                          if plans[f.target.pid] or self._launch_plan.get(f.target.pid)]
             for found in probed:
-                if plans[found.target.pid]:
+                if found.target.pid in self._pids:
                     self._attach_steps(found.target, *steps[found.target.pid])
             self._bpf[b"step_events"].open_ring_buffer(self._on_step)
         except Exception:
@@ -519,6 +544,32 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                 names.append(sym)
         return failures
 
+    @property
+    def launches_attached(self) -> bool:
+        return bool(self._launch_fds)
+
+    def attach_launches(self) -> None:
+        """Attach the launch probes (mode "sampled"); a failure is a warning."""
+        if self._bpf is None or self._launch_fds:
+            return
+        before = set(self._bpf.uprobe_fds)
+        for target in self.targets:
+            plan = self._launch_plan.get(target.pid, [])
+            if plan:
+                self._attach(target, plan)
+        self._launch_fds = [name for name in self._bpf.uprobe_fds if name not in before]
+
+    def detach_launches(self) -> None:
+        """Detach them again: closing a uprobe's perf event fd removes it (see close_bpf)."""
+        from bcc import lib
+
+        for name in self._launch_fds:
+            fd = self._bpf.uprobe_fds.get(name)
+            if fd is not None:
+                lib.bpf_close_perf_event_fd(fd)
+                self._bpf._del_uprobe_fd(name)
+        self._launch_fds = []
+
     def _poll(self) -> list[CudaCounters]:
         if self._bpf is None:
             return []
@@ -555,15 +606,36 @@ class CudaActivityProbe(Sampler[CudaCounters]):
 
 class CudaSource(Source):
     """The CUDA/NCCL counters as log records: one ``cuda`` snapshot per Optimizer.step
-    entry of every probed rank (the periodic reads add nothing per iteration)."""
+    entry of every probed rank (the periodic reads add nothing per iteration).
+
+    Kernel launches come at a price: every launch traps into the kernel (~11 us
+    each measured here; a GPU step can make tens of thousands). With
+    ``launches="sampled"`` (the default) the launch probes are attached for one
+    iteration in every N and detached between (at the next poll: a sample covers
+    the iterations of up to one poll interval), N adapted so that the sampled
+    iterations' extra time, spread over all, stays under LAUNCH_BUDGET of the
+    step time. A snapshot says whether the launch probes were attached since the
+    previous one (``launches_probed``): those iterations' launch counts are exact.
+    """
 
     name = "cuda"
 
-    def __init__(self, targets: list[TargetProcess]) -> None:
+    def __init__(self, targets: list[TargetProcess], launches: str = "sampled") -> None:
         super().__init__()
-        self.probe = CudaActivityProbe(targets)
+        self.probe = CudaActivityProbe(targets, launches)
+        self.launches = launches
         self.snapshots = 0
+        self.samples = 0  # times the launch probes were attached
+        self.sample_every = FIRST_SAMPLE_EVERY
         self._last: dict[int, CudaCounters] = {}
+        self._primary = targets[0].pid
+        self._previous_ns: dict[int, int] = {}  # each rank's previous step snapshot
+        self._steps = 0  # of the primary rank
+        self._steps_at_detach = 0
+        self._attached_at: int | None = None  # launch probes attached since (sampled)
+        self._steps_probed = 0  # primary steps entered since then
+        self._unsampled: list[int] = []  # recent primary step times without launch probes
+        self._sampled_steps: list[int] = []  # the primary's step times of this sample
 
     def _start(self) -> None:
         self.probe.start()
@@ -583,15 +655,65 @@ class CudaSource(Source):
                     c.t_mono_ns, c.pid, True, c.kernel_launches, c.sync_wait_ns,
                     c.graph_launches, c.nccl_calls, c.nccl_bytes, c.runtime_launches,
                     c.driver_launches, c.forwarded_launches, c.sync_calls, c.sync_untracked,
-                    c.nccl_unknown_dtype_calls))
+                    c.nccl_unknown_dtype_calls, self._probed(c)))
         self.snapshots += len(records)
+        if self.launches == "sampled":
+            self._schedule()
         return records
 
+    def _probed(self, c: CudaCounters) -> bool:
+        """Whether the launch probes were attached since this rank's previous snapshot
+        (they are detached only after a poll, so they were up to this one)."""
+        previous, self._previous_ns[c.pid] = self._previous_ns.get(c.pid), c.t_mono_ns
+        if self.launches != "sampled":
+            return self.launches == "always"
+        attached = self._attached_at
+        probed = attached is not None and previous is not None and previous >= attached
+        if c.pid == self._primary:
+            self._steps += 1
+            if attached is not None and c.t_mono_ns > attached:
+                self._steps_probed += 1
+            if previous is not None:
+                if probed:
+                    self._sampled_steps.append(c.t_mono_ns - previous)
+                elif attached is None:
+                    self._unsampled = [*self._unsampled[-100:], c.t_mono_ns - previous]
+        return probed
+
+    def _schedule(self) -> None:
+        """Attach the launch probes every ``sample_every`` steps, for one whole step."""
+        if self._attached_at is None:
+            if self._steps - self._steps_at_detach >= self.sample_every:
+                self.probe.attach_launches()
+                self._attached_at, self._steps_probed = monotonic_ns(), 0
+        elif self._steps_probed >= 2:  # a whole iteration inside (and all until this poll)
+            self.probe.detach_launches()
+            self._attached_at = None
+            self._steps_at_detach = self._steps
+            self.samples += 1
+            self._adapt()
+            self._sampled_steps = []
+
+    def _adapt(self) -> None:
+        """N such that this sample's extra time (its probed steps' excess over the usual
+        step), spread over N steps, is LAUNCH_BUDGET of them."""
+        if not self._sampled_steps or len(self._unsampled) < 5:
+            return
+        median = sorted(self._unsampled)[len(self._unsampled) // 2]
+        extra = sum(max(0, step - median) for step in self._sampled_steps)
+        wanted = extra / (LAUNCH_BUDGET * median) if median > 0 else MAX_SAMPLE_EVERY
+        self.sample_every = int(min(MAX_SAMPLE_EVERY, max(MIN_SAMPLE_EVERY, wanted)))
+
     def quality(self) -> dict[str, Any]:
-        return {"snapshots": self.snapshots, "snapshots_dropped": self.probe.dropped,
-                "sync_untracked": sum(c.sync_untracked for c in self._last.values()),
-                "nccl_unknown_dtype_calls": sum(c.nccl_unknown_dtype_calls
-                                                for c in self._last.values())}
+        q: dict[str, Any] = {
+            "snapshots": self.snapshots, "snapshots_dropped": self.probe.dropped,
+            "sync_untracked": sum(c.sync_untracked for c in self._last.values()),
+            "nccl_unknown_dtype_calls": sum(c.nccl_unknown_dtype_calls
+                                            for c in self._last.values()),
+            "launches": self.launches}
+        if self.launches == "sampled":
+            q.update(launch_samples=self.samples, launch_sample_every=self.sample_every)
+        return q
 
     def _close(self) -> None:
         self.probe.close()

@@ -72,11 +72,13 @@ from perfmon.probes.files import MappedLibrary
 from perfmon.probes.procfs import TargetProcess, agent_capabilities
 from perfmon.probes.sampler import Source
 from perfmon.probes.uprobes import (
+    DEFAULT_STEP_KINDS,
     ENGINE_EXECUTE_SYMBOL,
     RECORD_FUNCTION_SYMBOLS,
     STEP_NAME_PREFIXES,
     MarkerEvent,
     open_torch_library,
+    step_prefixes,
 )
 
 # Where tracefs lives: its own mount point (Linux 4.1+), or under debugfs, where
@@ -324,20 +326,21 @@ def parse_name_arg(args: bytes) -> bytes | None:
     return m.group(1) if m else None
 
 
-def classify_step_name(name: bytes) -> str | None:
-    """The marker kind a record_function name marks (STEP_NAME_PREFIXES), or None."""
-    for prefix, kind in STEP_NAME_PREFIXES.items():
+def classify_step_name(name: bytes, prefixes: dict[str, str] = STEP_NAME_PREFIXES
+                       ) -> str | None:
+    """The marker kind a record_function name marks (of ``prefixes``), or None."""
+    for prefix, kind in prefixes.items():
         if name.startswith(prefix.encode()):
             return kind
     return None
 
 
-def _step_name_filter() -> str | None:
+def _step_name_filter(prefixes: dict[str, str]) -> str | None:
     """A tracefs event filter passing only step names, or None when a prefix holds a
     character the filter's glob would misread."""
-    if any(set(p) & set('*?[]"\\') for p in STEP_NAME_PREFIXES):
+    if any(set(p) & set('*?[]"\\') for p in prefixes):
         return None
-    return " || ".join(f'name ~ "{prefix}*"' for prefix in STEP_NAME_PREFIXES)
+    return " || ".join(f'name ~ "{prefix}*"' for prefix in prefixes)
 
 
 # --- clean-up of agents that died -------------------------------------------
@@ -469,8 +472,10 @@ class TracefsMarkerProbe(Source):
 
     name = "tracefs"
 
-    def __init__(self, targets: list[TargetProcess]) -> None:
+    def __init__(self, targets: list[TargetProcess],
+                 step_kinds: tuple[str, ...] = DEFAULT_STEP_KINDS) -> None:
         super().__init__()
+        self._prefixes = step_prefixes(step_kinds)
         self.targets = targets
         self.dropped = 0
         self.events = 0
@@ -622,7 +627,7 @@ class TracefsMarkerProbe(Source):
         self._kinds[name] = kind
 
     def _enable(self) -> None:
-        name_filter = _step_name_filter()
+        name_filter = _step_name_filter(self._prefixes)
         for name, kind in self._kinds.items():
             folder = os.path.join(self._instance, "events", self.group, name)
             if kind == _RECORD_FUNCTION and name_filter:
@@ -705,7 +710,7 @@ class TracefsMarkerProbe(Source):
             if raw is None:
                 return None  # the kernel could not read the name
             raw = raw[: NAME_LEN_BYTES - 1]
-            step_kind = classify_step_name(raw)
+            step_kind = classify_step_name(raw, self._prefixes)
             if step_kind is None:
                 return None
             kind, name = step_kind, raw.decode("utf-8", "replace")

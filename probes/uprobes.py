@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import struct
 from importlib import resources
 from typing import Any
 
@@ -55,7 +56,13 @@ STEP_NAME_PREFIXES = {
     "Optimizer.zero_grad#": "zero_grad",
     "enumerate(DataLoader)#": "dataloader_next",
 }
+# What the probes report by default: the iteration ends (plus backward entries and
+# exits, from Engine::execute). zero_grad and the data loader's next batch are a
+# marker each per step or micro-batch that nothing reduces: each costs the agent
+# ~15 us of CPU, so they are reported only when asked for (step_kinds).
+DEFAULT_STEP_KINDS = ("optimizer_step",)
 _NAME_LEN = 64
+_EVENT_HEAD = struct.Struct("<QIII4x")  # event_t up to its name (iterations.bpf.c)
 DEFAULT_RING_PAGES = 64  # 256 KiB: ~2,900 markers between two polls
 _PREFIX_WORDS = 3
 _MAX_PREFIXES = 4
@@ -149,7 +156,13 @@ def find_torch_symbols(target: TargetProcess, library: MappedLibrary
     return [s.name for s in record], [s.name for s in found[ENGINE_EXECUTE_SYMBOL]]
 
 
-def compile_step_program(file_name: str, cflags: list[str]) -> Any:
+def step_prefixes(kinds: tuple[str, ...]) -> dict[str, str]:
+    """The record_function name prefixes that mark these kinds (of STEP_NAME_PREFIXES)."""
+    return {p: kind for p, kind in STEP_NAME_PREFIXES.items() if kind in kinds}
+
+
+def compile_step_program(file_name: str, cflags: list[str],
+                         kinds: tuple[str, ...] = DEFAULT_STEP_KINDS) -> Any:
     """Compile ``probes/bpf/<file_name>`` (which includes step_names.bpf.h) with bcc,
     and fill its step-name prefix table; returns the ``BPF`` object.
 
@@ -166,7 +179,7 @@ def compile_step_program(file_name: str, cflags: list[str]) -> Any:
             f"pid {os.getpid()} (perfmon-agent): BPF program {file_name} failed to compile "
             f"(kernel headers at {kernel_headers_dir()}): {err}"
         ) from err
-    _fill_step_prefixes(bpf)
+    _fill_step_prefixes(bpf, step_prefixes(kinds))
     return bpf
 
 
@@ -214,14 +227,14 @@ def _step_name_cflags() -> list[str]:
     ]
 
 
-def _fill_step_prefixes(bpf: Any) -> None:
-    """Fill the ``prefixes`` table of step_names.bpf.h from STEP_NAME_PREFIXES.
+def _fill_step_prefixes(bpf: Any, prefixes: dict[str, str]) -> None:
+    """Fill the ``prefixes`` table of step_names.bpf.h (prefix -> kind).
 
     ``bpf`` is a compiled bcc ``BPF`` object. Kinds number MARKER_KINDS from 1.
     """
     table = bpf[b"prefixes"]
     leaf = table.Leaf()  # zeroed: unused slots have kind 0
-    for index, (prefix, kind) in enumerate(STEP_NAME_PREFIXES.items()):
+    for index, (prefix, kind) in enumerate(prefixes.items()):
         raw = prefix.encode().ljust(_PREFIX_WORDS * 8, b"\0")
         entry = leaf.entry[index]
         for w in range(_PREFIX_WORDS):
@@ -244,9 +257,10 @@ class MarkerProbe(Source):
 
     name = "uprobes"
 
-    def __init__(self, targets: list[TargetProcess], ring_pages: int = DEFAULT_RING_PAGES
-                 ) -> None:
+    def __init__(self, targets: list[TargetProcess], ring_pages: int = DEFAULT_RING_PAGES,
+                 step_kinds: tuple[str, ...] = DEFAULT_STEP_KINDS) -> None:
         super().__init__()
+        self.step_kinds = step_kinds
         if ring_pages < 1 or ring_pages & (ring_pages - 1):
             raise ValueError(f"ring_pages must be a power of two, not {ring_pages}")
         self.ring_pages = ring_pages
@@ -254,7 +268,7 @@ class MarkerProbe(Source):
         self.dropped = 0
         self.events = 0
         self._bpf: Any = None
-        self._pending: list[Marker] = []
+        self._raw: list[bytes] = []  # events as the ring buffer delivered them
         self._libraries: dict[int, MappedLibrary] = {}
 
     def _start(self) -> None:
@@ -265,7 +279,8 @@ class MarkerProbe(Source):
                 self._libraries[t.pid] = open_torch_library(t)
                 symbols[t.pid] = find_torch_symbols(t, self._libraries[t.pid])
             self._bpf = compile_step_program(
-                "iterations.bpf.c", [f"-DNAME_LEN={_NAME_LEN}", f"-DRING_PAGES={self.ring_pages}"])
+                "iterations.bpf.c", [f"-DNAME_LEN={_NAME_LEN}", f"-DRING_PAGES={self.ring_pages}"],
+                self.step_kinds)
             for target in self.targets:
                 self._attach(target, *symbols[target.pid])
         except Exception:
@@ -299,25 +314,24 @@ class MarkerProbe(Source):
                 "torch::autograd::Engine::execute: micro-batches per step are not counted"
             )
 
-    def _on_event(self, _ctx: Any, data: Any, _size: int) -> None:
-        ev = self._bpf[b"events"].event(data)
-        self._pending.append(
-            Marker(
-                t_mono_ns=ev.t_mono_ns,
-                pid=ev.pid,
-                tid=ev.tid,
-                kind=MARKER_KINDS[ev.kind - 1],
-                name=ev.name.decode("utf-8", "replace"),
-            )
-        )
+    def _on_event(self, _ctx: Any, data: Any, size: int) -> None:
+        # Called by bcc once per event: only copy the bytes here; they are decoded
+        # in bulk by _poll (this runs for every marker of a busy job).
+        self._raw.append(ctypes.string_at(data, size))
 
     def _poll(self) -> list[Record]:
         self._bpf.ring_buffer_consume()
         dropped = self._bpf[b"dropped"][ctypes.c_int(0)].value
         self.dropped = int(dropped)
-        events, self._pending = self._pending, []
+        raw, self._raw = self._raw, []
+        events: list[Record] = []
+        for data in raw:
+            # struct event_t of iterations.bpf.c: u64 t, u32 pid, tid, kind, pad; name.
+            t, pid, tid, kind = _EVENT_HEAD.unpack_from(data)
+            name = data[_EVENT_HEAD.size:].split(b"\0", 1)[0].decode("utf-8", "replace")
+            events.append(Marker(t, pid, tid, MARKER_KINDS[kind - 1], name))
         self.events += len(events)
-        return list(events)
+        return events
 
     def quality(self) -> dict[str, Any]:
         return {"events": self.events, "events_dropped": self.dropped}

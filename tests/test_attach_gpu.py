@@ -120,7 +120,8 @@ def test_cuda_and_nccl_activity_per_iteration_equals_what_the_job_called(
         "--nccl", "all_gather:256:bfloat16",
         script=TRAIN_FAKE_CUDA, warm_iterations=3)
     run = agent.run("attach", "--pid", str(target.pid), "--duration", "5",
-                    "--log-interval", "10", "--no-stack-sampling", "--output-dir", str(out_dir))
+                    "--log-interval", "10", "--no-stack-sampling", "--cuda-launches", "always",
+                    "--output-dir", str(out_dir))
     assert run.returncode == 0, run.stderr
     summary = load_summary(out_dir)
     assert summary["session_info"]["cuda"]["available"], summary["session_info"]["cuda"]
@@ -135,3 +136,33 @@ def test_cuda_and_nccl_activity_per_iteration_equals_what_the_job_called(
     by_kind = summary["final_statistics"]["nccl_per_iter_by_collective"]
     assert by_kind["all_reduce"] == {"calls": 1, "bytes": 4096}
     assert by_kind["all_gather"] == {"calls": 1, "bytes": 512}
+
+
+def test_sampled_launch_counting_is_exact_on_the_iterations_it_probes(
+    fake_cuda, start_target, agent, out_dir
+):
+    # 300 launches a step: the launch probes are attached for one iteration in every
+    # N and detached between; the iterations they cover count their launches exactly.
+    target = start_target(
+        "--cuda-lib-dir", str(fake_cuda.lib_dir), "--idle-ms", "10",
+        "--runtime-launches", "200", "--driver-launches", "100", "--stream-syncs", "1",
+        "--sync-us", "500", "--nccl", "all_reduce:1024:float32",
+        script=TRAIN_FAKE_CUDA, warm_iterations=3)
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "10",
+                    "--log-interval", "10", "--no-stack-sampling", "--output-dir", str(out_dir))
+    assert run.returncode == 0, run.stderr
+    summary = load_summary(out_dir)
+    assert summary["session_info"]["cuda"]["launches"] == "sampled"
+    stats = summary["final_statistics"]
+    sampled = stats["kernel_launches_sampled_iterations"]
+    assert 1 <= sampled < stats["measured_iterations"] / 5
+    assert stats["kernels_per_iter"] == 301  # 300 by the job, 1 by its NCCL call
+    logs = summary["iteration_logs"]
+    with_launches = [e for e in logs if e["kernels_per_iter"] is not None]
+    assert with_launches and all(e["kernels_per_iter"] == 301 for e in with_launches)
+    assert len(with_launches) < len(logs)
+    # Everything else is counted on every iteration.
+    assert all(e["nccl_calls_per_iter"] == 1 for e in logs)
+    cuda = stats["data_quality"]["sources"]["cuda"]
+    # Each sample lasts until the agent's next poll: one or more whole iterations.
+    assert 1 <= cuda["launch_samples"] <= sampled and cuda["launch_sample_every"] >= 10

@@ -52,7 +52,9 @@ from perfmon.probes.procfs import inspect_process
 from perfmon.probes.tracefs import TracefsMarkerProbe
 
 duration_s, pids = float(sys.argv[1]), [int(p) for p in sys.argv[2:]]
-probe = TracefsMarkerProbe([inspect_process(p) for p in pids])
+# Every marker kind, to compare with bcc's (the agent asks only for Optimizer.step).
+probe = TracefsMarkerProbe([inspect_process(p) for p in pids],
+                           step_kinds=("optimizer_step", "zero_grad", "dataloader_next"))
 began = time.perf_counter()
 probe.start()
 attach_s = time.perf_counter() - began
