@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -144,43 +144,45 @@ class Rebuilt:
     warnings: list[str] = field(default_factory=list)
 
 
-class _LogStream:
-    """Every record of a log's parts, streamed; problems become ``warnings``."""
+def _replay(parts: list[Path], start: Callable[[dict[str, Any]], Callable[[dict[str, Any]], object]]
+            ) -> tuple[list[str], bool, int]:
+    """Feed every record of a log's parts to the sink that ``start(session_start)`` makes.
 
-    def __init__(self, parts: list[Path]) -> None:
-        self.parts = parts
-        self.warnings: list[str] = []
-        self.tail_cut = False
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        skipped, unknown, problem = 0, 0, None
-        for index, part in enumerate(self.parts):
-            fd = open_user_file(str(part), "event log")
-            with os.fdopen(fd, "rb", buffering=0) as stream:
-                reader = EventLogReader(stream, str(part), os.fstat(fd).st_size)
-                expected = "session_start" if index == 0 else "log_part"
-                try:
-                    for record in reader:
-                        if reader.records == 1 and record["type"] != expected:
-                            if index == 0:
-                                raise EventLogError(
-                                    f"{part}: the first part of this event log is missing "
-                                    f"(it begins with a {record['type']} record)")
-                            self.warnings.append(f"{part}: not a part of this log: not read")
-                            break
-                        yield record
-                finally:
-                    skipped += reader.skipped
-                    unknown += reader.unknown
-                    problem = problem or reader.first_problem
-            if reader.corrupt:
-                self.warnings.append(f"{part}: {reader.corrupt}: the rest of it is not read")
-            self.tail_cut = reader.tail_cut
-        if skipped:
-            self.warnings.append(
-                f"{skipped} records of the wrong shape skipped (first: {problem})")
-        if unknown:
-            self.warnings.append(f"{unknown} records of types this version does not know skipped")
+    Returns (warnings, whether the last part's tail was cut, the latest record time).
+    Records go from the decoder to the sink directly (perfmon.parsers.events.
+    EventLogReader.read_into): no generator in between, so a big log streams fast.
+    """
+    warnings: list[str] = []
+    skipped, unknown, problem, tail_cut, last_ns = 0, 0, None, False, 0
+    sink: Callable[[dict[str, Any]], object] | None = None
+    for index, part in enumerate(parts):
+        fd = open_user_file(str(part), "event log")
+        with os.fdopen(fd, "rb", buffering=0) as stream:
+            reader = EventLogReader(stream, str(part), os.fstat(fd).st_size)
+            first: list[dict[str, Any]] = []
+            reader.read_into(first.append, limit=1)
+            expected = "session_start" if index == 0 else "log_part"
+            if first and first[0]["type"] != expected:
+                if index == 0:
+                    raise EventLogError(f"{part}: the first part of this event log is missing "
+                                        f"(it begins with a {first[0]['type']} record)")
+                warnings.append(f"{part}: not a part of this log: not read")
+                continue
+            if sink is None:
+                sink = start(first[0])
+            reader.read_into(sink)
+        skipped += reader.skipped
+        unknown += reader.unknown
+        problem = problem or reader.first_problem
+        last_ns = max(last_ns, reader.last_t_mono_ns)
+        if reader.corrupt:
+            warnings.append(f"{part}: {reader.corrupt}: the rest of it is not read")
+        tail_cut = reader.tail_cut
+    if skipped:
+        warnings.append(f"{skipped} records of the wrong shape skipped (first: {problem})")
+    if unknown:
+        warnings.append(f"{unknown} records of types this version does not know skipped")
+    return warnings, tail_cut, last_ns
 
 
 def rebuild_from_event_log(path: Path) -> Rebuilt:
@@ -194,21 +196,19 @@ def rebuild_from_event_log(path: Path) -> Rebuilt:
         parts = log_parts(path)
     except OSError as err:
         raise InputFileError(f"event log {path}: {err.strerror}") from err
-    stream = _LogStream(parts)
-    records = iter(stream)
-    first = next(records)
-    facts = first["session"]
-    check_facts(facts, str(parts[0]))
-    summarizer = summarizer_for(facts)
-    last_ns = first["t_mono_ns"]
-    feed = summarizer.feed
-    for record in records:
-        feed(record)
-        last_ns = max(last_ns, record["t_mono_ns"])
+    made: list[tuple[dict[str, Any], Summarizer]] = []
+
+    def start(first: dict[str, Any]) -> Callable[[dict[str, Any]], object]:
+        check_facts(first["session"], str(parts[0]))
+        made.append((first["session"], summarizer_for(first["session"])))
+        return made[0][1].feed
+
+    warnings, tail_cut, last_ns = _replay(parts, start)
+    facts, summarizer = made[0]
     if summarizer.end_reason is None:
         summarizer.feed({"type": "session_end", "t_mono_ns": last_ns, "reason": "log_truncated"})
     summary = build_summary(facts, summarizer)
     summary["session_info"]["rebuilt_from_event_log"] = True
-    summary["session_info"]["event_log_tail_cut"] = stream.tail_cut
+    summary["session_info"]["event_log_tail_cut"] = tail_cut
     summary["session_info"]["event_log_parts"] = len(parts)
-    return Rebuilt(summary, parts, stream.warnings)
+    return Rebuilt(summary, parts, warnings)

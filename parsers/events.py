@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, ClassVar
 
@@ -349,45 +349,66 @@ class EventLogReader:
         self.tail_cut = False
         self.corrupt: str | None = None
         self.first: dict[str, Any] | None = None
+        self.last_t_mono_ns = 0  # the latest time of a record read
+        self._position = 0
         self._unpacker = msgpack.Unpacker(
-            stream, raw=False, strict_map_key=False, read_size=_READ_BYTES,
+            stream, raw=False, strict_map_key=False, read_size=_READ_BYTES, use_list=False,
             max_buffer_size=MAX_RECORD_BYTES)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        records: list[dict[str, Any]] = []
+        self.read_into(records.append, limit=1)
+        yield from records
+        while True:
+            records.clear()
+            done = self.read_into(records.append, limit=4096)
+            yield from records
+            if done:
+                return
+
+    def read_into(self, sink: Callable[[dict[str, Any]], object],
+                  limit: int | None = None) -> bool:
+        """Pass records to ``sink`` (the fast path of replaying a log: no generator
+        between the decoder and the reducers); at most ``limit``; True at the end."""
         unpacker = self._unpacker
-        position = 0
         fast = _FAST_CHECK
+        count = 0
         try:
             for obj in unpacker:
-                position = unpacker.tell()
+                self._position = unpacker.tell()
                 if self.first is None:
                     self._check_first(obj)
                     self.first = obj
-                    self.records += 1
-                    yield obj
-                    continue
-                # The common case in one dict lookup and one generated check.
-                check = fast.get(obj.get("type")) if type(obj) is dict else None  # type: ignore[arg-type]
-                if check is None or not check(obj):
-                    problem = record_problem(obj)
-                    if problem is not None:
-                        self.skipped += 1
-                        self.first_problem = self.first_problem or problem
-                        continue
-                    if obj["type"] not in RECORD_FIELDS:
-                        self.unknown += 1
-                        continue
+                else:
+                    # The common case in one dict lookup and one generated check.
+                    check = fast.get(obj.get("type")) if type(obj) is dict else None  # type: ignore[arg-type]
+                    if check is None or not check(obj):
+                        problem = record_problem(obj)
+                        if problem is not None:
+                            self.skipped += 1
+                            self.first_problem = self.first_problem or problem
+                            continue
+                        if obj["type"] not in RECORD_FIELDS:
+                            self.unknown += 1
+                            continue
+                t = obj["t_mono_ns"]
+                if t > self.last_t_mono_ns:  # noqa: PLR1730  (no call: once a record)
+                    self.last_t_mono_ns = t
                 self.records += 1
-                yield obj
+                sink(obj)
+                count += 1
+                if limit is not None and count >= limit:
+                    return False
         except (msgpack.UnpackException, ValueError) as err:
             if self.first is None:
                 raise EventLogError(f"{self.source}: not a perfmon event log ({err})") from err
-            self.corrupt = f"undecodable data after byte {position}: {err}"
-            return
+            self.corrupt = f"undecodable data after byte {self._position}: {err}"
+            return True
         if self.first is None:
             raise EventLogError(f"{self.source}: not a perfmon event log (empty)")
-        if self.size_bytes is not None and position < self.size_bytes:
+        if self.size_bytes is not None and self._position < self.size_bytes:
             self.tail_cut = True
+        return True
 
     def _check_first(self, obj: object) -> None:
         if not isinstance(obj, dict) or obj.get("type") not in ("session_start", "log_part"):

@@ -56,7 +56,7 @@ class Summarizer:
             # Entries wait for the samples that cover them only when sampling is
             # continuous; in bursts most intervals have none to wait for.
             wait_for_phases=stack_sampling and phases_continuous, wall_time=self.wall_time)
-        primary = primary_pid
+        self._primary = primary = primary_pid
         phase_feed = self.phases.feed_phase
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
             "marker": self._on_marker,
@@ -81,11 +81,13 @@ class Summarizer:
         handler = self._handlers.get(record["type"])
         if handler is not None:
             handler(record)
-        if not self.intervals.pending:
+        if not self.intervals.waiting:  # (an attribute: this runs for every record)
             return []
         return self.intervals.finalize(record["t_mono_ns"], record["type"] == "session_end")
 
     def _on_marker(self, record: dict[str, Any]) -> None:
+        if record["pid"] != self._primary:  # most markers on a node: other ranks'
+            return
         it = self.clock.on_marker(record)
         if it is not None:
             self.intervals.on_iteration(it)

@@ -38,7 +38,10 @@ class Intervals:
         self._seq: list[int] = []  # interval number of each entry
         self._logged = 0
         self._current: list[Iteration] = []
-        self._pending: list[tuple[dict[str, Any], int, int, int]] = []  # entry, start, end, n
+        # Entries waiting for samples: (entry, start, end, iterations); ``waiting`` is
+        # this list, under a name the dispatcher reads for every record.
+        self._pending: list[tuple[dict[str, Any], int, int, int]] = []
+        self.waiting = self._pending
 
     def on_iteration(self, it: Iteration) -> None:
         self._current.append(it)
@@ -65,9 +68,6 @@ class Intervals:
         self.resources.prune(end)
         self._pending.append((entry, start, end, len(its)))
 
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending)
 
     def finalize(self, now_ns: int | None, final: bool) -> list[dict[str, Any]]:
         """Entries whose samples are in (or that waited long enough, or ``final``)."""
