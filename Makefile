@@ -13,8 +13,11 @@ DEMO_OUT ?= outputs/demo
 # The CPU build of PyTorch: a plain `torch` would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 DEB_PACKAGES := bpfcc-tools python3-bpfcc python3-venv python3-dev gcc make libc6-dev
+# What the tests run for real: a Prometheus server (and promtool), headless
+# Chromium for the HTML report, systemd-analyze for the unit, tmux for `top`.
+TEST_DEB_PACKAGES := prometheus chromium systemd tmux
 
-.PHONY: setup setup-system setup-headers setup-venv demo test lint typecheck clean
+.PHONY: setup setup-system setup-test-system setup-headers setup-venv demo test lint typecheck clean
 
 setup: setup-system setup-headers setup-venv
 
@@ -78,7 +81,16 @@ lint:
 typecheck:
 	$(VENV)/bin/mypy agent probes parsers
 
-test: setup
+setup-test-system:
+	@missing=""; for p in $(TEST_DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages for the tests:$$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+test: setup setup-test-system
 	$(PY) -m pip install -q -e ".[demo,test]"
 	$(MAKE) lint typecheck
 	PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1} $(PY) -m pytest -q tests

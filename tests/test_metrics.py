@@ -1,0 +1,566 @@
+"""Prometheus exposition (perfmon.agent.metrics): the samples the real prometheus_client
+writes, unknown figures left out, finished jobs leaving nothing, the HTTP endpoint and
+its errors, a real Prometheus scraping it (with the rules loaded), promtool on the
+rules, and the dashboard using only metrics the agent defines."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from perfmon.agent.metrics import (
+    DEFAULT_ADDRESS,
+    STEP_TIME_BUCKETS_S,
+    Metrics,
+    MetricsAddressError,
+    parse_address,
+)
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "docs" / "prometheus" / "rules.yml"
+DASHBOARD = ROOT / "docs" / "prometheus" / "grafana-dashboard.json"
+DOC = ROOT / "docs" / "prometheus.md"
+GIB = 1 << 30
+
+Labels = frozenset[tuple[str, str]]
+
+
+def _tool(name: str) -> str:
+    """Debian's prometheus/promtool binary; a failure (not a skip) when missing."""
+    path = f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is missing: `make test` installs Debian's prometheus package "
+                    "(TEST_DEB_PACKAGES in the Makefile), which provides prometheus and promtool")
+    return path
+
+
+def exposed(metrics: Metrics) -> dict[tuple[str, Labels], float]:
+    """(sample name, labels) -> value, parsed back from the text exposition."""
+    text = generate_latest(metrics.registry).decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict[tuple[str, Labels], float], name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def names_with(samples: dict[tuple[str, Labels], float], **labels: str) -> set[str]:
+    """Sample names having (at least) these labels."""
+    want = set(labels.items())
+    return {name for name, lbls in samples if want <= lbls}
+
+
+ENTRY: dict[str, Any] = {
+    "iteration": 20, "step_time_ms": 200.0, "tokens_per_sec": 5120.0,
+    "samples_per_sec": 40.0, "TFLOPS_per_GPU": 120.0, "memory_GB": 2.5,
+    "gpu_utilization_pct": 87.0, "gpu_power_w": 310.0,
+    "gpu_throttle_reasons": ["sw_power_cap", "hw_slowdown"],
+}
+
+
+def final_statistics(**changes: Any) -> dict[str, Any]:
+    """A final_statistics as the Summarizer gives it (the keys Metrics reads)."""
+    fs: dict[str, Any] = {
+        "avg_tflops_per_gpu": 100.0, "mfu": 0.25, "memory_kind": "gpu",
+        "peak_memory_gb": 3.0,
+        "ranks": [
+            {"pid": 4242, "peak_rss_gb": 1.5, "peak_gpu_memory_gb": 3.0, "gpu_indices": [0]},
+            {"pid": 4243, "peak_rss_gb": 1.25, "peak_gpu_memory_gb": None, "gpu_indices": []},
+        ],
+        "gpu_events": [
+            {"type": "xid", "gpu_index": 0, "xid": 79},
+            {"type": "xid", "gpu_index": 1, "xid": 31},
+            {"type": "gpu_lost", "gpu_index": 1, "error": "GPU is lost"},
+            {"type": "bogus", "gpu_index": 1},
+        ],
+        "data_quality": {
+            "sources": {
+                "uprobes": {"events": 1200, "events_dropped": 7},
+                "nvml": {"samples": 30, "missed_slots": 0, "unsupported_fields": 2},
+                "pyspy": {"samples": 900, "sampling_errors": 3, "last_error": "x"},
+            },
+            "losses": ["uprobes: events_dropped 7 (...)"],
+        },
+        "hangs": [],
+    }
+    fs.update(changes)
+    return fs
+
+
+def start_job(metrics: Metrics, job: str = "llama", host: str = "node-a") -> None:
+    metrics.job_started(job, host, [0, 1], pids=[4242, 4243])
+
+
+def feed(metrics: Metrics, job: str = "llama", host: str = "node-a") -> None:
+    """A job through every call the session makes."""
+    start_job(metrics, job, host)
+    for step_s in (0.2, 0.2, 0.3, 0.05):
+        metrics.iteration(job, step_s)
+    metrics.interval(job, ENTRY)
+    metrics.statistics(job, final_statistics(), hung=False)
+    metrics.rank_values(job, 1, 4243, {"compute_seconds": 0.15, "wait_seconds": 0.05,
+                                       "straggler": 1.0})
+    metrics.agent(cpu_seconds_total=12.5, resident_bytes=150_000_000, jobs=1)
+
+
+@pytest.fixture
+def metrics() -> Iterator[Metrics]:
+    with Metrics(host="node-a") as m:
+        yield m
+
+
+# -- the samples ---------------------------------------------------------------------------
+
+def test_step_times_fill_the_histogram_and_count_iterations(metrics: Metrics) -> None:
+    feed(metrics)
+    s = exposed(metrics)
+    job = {"job": "llama", "host": "node-a"}
+    assert value(s, "perfmon_iterations_total", **job) == 4
+    assert value(s, "perfmon_step_time_seconds_count", **job) == 4
+    assert value(s, "perfmon_step_time_seconds_sum", **job) == pytest.approx(0.75)
+    # 0.05 in (0.0316, 0.0562]; 0.2 twice in (0.178, 0.316]; 0.3 too; cumulative counts.
+    assert value(s, "perfmon_step_time_seconds_bucket", le="0.0316", **job) == 0
+    assert value(s, "perfmon_step_time_seconds_bucket", le="0.0562", **job) == 1
+    assert value(s, "perfmon_step_time_seconds_bucket", le="0.178", **job) == 1
+    assert value(s, "perfmon_step_time_seconds_bucket", le="0.316", **job) == 4
+    assert value(s, "perfmon_step_time_seconds_bucket", le="+Inf", **job) == 4
+    les = [float(dict(lbls)["le"]) for name, lbls in s
+           if name == "perfmon_step_time_seconds_bucket"]
+    assert sorted(les)[:-1] == list(STEP_TIME_BUCKETS_S)
+    assert STEP_TIME_BUCKETS_S[0] == 0.001 and STEP_TIME_BUCKETS_S[-1] == 1000
+    assert len(STEP_TIME_BUCKETS_S) == 25  # 4 per decade over 6 decades, both ends
+
+
+def test_interval_and_statistics_in_prometheus_units(metrics: Metrics) -> None:
+    feed(metrics)
+    s = exposed(metrics)
+    job = {"job": "llama", "host": "node-a"}
+    assert value(s, "perfmon_tokens_per_second", **job) == 5120
+    assert value(s, "perfmon_samples_per_second", **job) == 40
+    assert value(s, "perfmon_tflops_per_gpu", **job) == 120
+    # The peak is avg TFLOPS / MFU = 400; the interval's 120 TFLOPS make 0.3.
+    assert value(s, "perfmon_mfu_ratio", **job) == pytest.approx(0.3)
+    assert value(s, "perfmon_gpu_utilization_ratio", **job) == pytest.approx(0.87)
+    assert value(s, "perfmon_gpu_power_watts", **job) == 310
+    assert value(s, "perfmon_gpu_throttled", reason="sw_power_cap", **job) == 1
+    assert value(s, "perfmon_gpu_throttled", reason="hw_slowdown", **job) == 1
+    assert value(s, "perfmon_hung", **job) == 0
+    # GiB -> bytes, ranks labelled through the pids job_started gave.
+    assert value(s, "perfmon_memory_bytes", rank="0", kind="rss", **job) == 1.5 * GIB
+    assert value(s, "perfmon_memory_bytes", rank="0", kind="gpu", **job) == 3 * GIB
+    assert value(s, "perfmon_memory_bytes", rank="1", kind="rss", **job) == 1.25 * GIB
+    assert value(s, "perfmon_memory_bytes", rank="1", kind="gpu", **job) is None
+    assert value(s, "perfmon_job_memory_bytes", kind="gpu", **job) == 2.5 * GIB
+    assert value(s, "perfmon_gpu_events_total", type="xid", **job) == 2
+    assert value(s, "perfmon_gpu_events_total", type="gpu_lost", **job) == 1
+    assert value(s, "perfmon_gpu_events_total", type="ecc", **job) == 0
+    assert value(s, "perfmon_gpu_events_total", type="bogus", **job) is None
+    # Loss counters only (0 included); volumes and strings are not losses.
+    losses = {(dict(lbls)["source"], dict(lbls)["counter"]): v for (name, lbls), v in s.items()
+              if name == "perfmon_data_quality_losses"}
+    assert losses == {("uprobes", "events_dropped"): 7, ("nvml", "missed_slots"): 0,
+                      ("pyspy", "sampling_errors"): 3}
+    assert value(s, "perfmon_job_info", ranks="0,1", processes="2",
+                 agent_version=dict(next(lbls for name, lbls in s
+                                         if name == "perfmon_job_info"))["agent_version"],
+                 **job) == 1
+    assert value(s, "perfmon_rank_compute_seconds", rank="1", **job) == 0.15
+    assert value(s, "perfmon_rank_wait_seconds", rank="1", **job) == 0.05
+    assert value(s, "perfmon_rank_straggler", rank="1", **job) == 1
+    assert value(s, "perfmon_agent_cpu_seconds_total", host="node-a") == 12.5
+    assert value(s, "perfmon_agent_resident_memory_bytes", host="node-a") == 150_000_000
+    assert value(s, "perfmon_jobs", host="node-a") == 1
+
+
+def test_hung_is_one_while_hung(metrics: Metrics) -> None:
+    feed(metrics)
+    metrics.statistics("llama", final_statistics(), hung=True)
+    assert value(exposed(metrics), "perfmon_hung", job="llama", host="node-a") == 1
+
+
+def test_unknown_figures_have_no_sample(metrics: Metrics) -> None:
+    """None or absent is no sample, never 0; a figure that becomes unknown loses it."""
+    start_job(metrics)
+    metrics.interval("llama", {"step_time_ms": 24.0, "tokens_per_sec": None,
+                               "TFLOPS_per_GPU": None, "memory_GB": 0.5})
+    metrics.statistics("llama", final_statistics(mfu=None, avg_tflops_per_gpu=None,
+                                                 memory_kind="rss", gpu_events=[]), hung=False)
+    metrics.rank_values("llama", 0, 4242, {"wait_seconds": None, "made_up_seconds": 3.0})
+    s = exposed(metrics)
+    present = names_with(s, job="llama")
+    for name in ("perfmon_tokens_per_second", "perfmon_samples_per_second",
+                 "perfmon_tflops_per_gpu", "perfmon_mfu_ratio", "perfmon_gpu_utilization_ratio",
+                 "perfmon_gpu_power_watts", "perfmon_gpu_throttled", "perfmon_rank_wait_seconds",
+                 "perfmon_rank_made_up_seconds"):
+        assert name not in present, name
+    assert value(s, "perfmon_job_memory_bytes", job="llama", host="node-a", kind="rss") == GIB / 2
+    assert value(s, "perfmon_agent_cpu_seconds_total", host="node-a") is None  # not told yet
+
+    # Known, then unknown again: the sample goes (a stale figure is not shown as current).
+    metrics.interval("llama", ENTRY)
+    metrics.statistics("llama", final_statistics(), hung=False)
+    assert value(exposed(metrics), "perfmon_mfu_ratio", job="llama", host="node-a") == 0.3
+    metrics.interval("llama", {"step_time_ms": 24.0})
+    present = names_with(exposed(metrics), job="llama")
+    assert {"perfmon_tokens_per_second", "perfmon_mfu_ratio", "perfmon_gpu_throttled",
+            "perfmon_gpu_power_watts", "perfmon_job_memory_bytes"}.isdisjoint(present)
+
+
+def test_job_memory_waits_for_the_memory_kind(metrics: Metrics) -> None:
+    start_job(metrics)
+    metrics.interval("llama", {"memory_GB": 1.0})
+    assert "perfmon_job_memory_bytes" not in names_with(exposed(metrics), job="llama")
+    metrics.statistics("llama", final_statistics(memory_kind="rss"), hung=False)
+    assert value(exposed(metrics), "perfmon_job_memory_bytes", job="llama", host="node-a",
+                 kind="rss") == GIB
+
+
+def test_throttle_reason_reads_zero_once_gone(metrics: Metrics) -> None:
+    start_job(metrics)
+    metrics.interval("llama", ENTRY)
+    metrics.interval("llama", {**ENTRY, "gpu_throttle_reasons": ["hw_slowdown"]})
+    s = exposed(metrics)
+    job = {"job": "llama", "host": "node-a"}
+    assert value(s, "perfmon_gpu_throttled", reason="sw_power_cap", **job) == 0
+    assert value(s, "perfmon_gpu_throttled", reason="hw_slowdown", **job) == 1
+
+
+def test_ranks_without_rank_are_labelled_by_pid(metrics: Metrics) -> None:
+    metrics.job_started("solo", "node-a", [None])
+    metrics.rank_values("solo", None, 777, {"straggler": 0.0})
+    metrics.statistics("solo", final_statistics(
+        ranks=[{"pid": 777, "peak_rss_gb": 1.0, "peak_gpu_memory_gb": None}]), hung=False)
+    s = exposed(metrics)
+    assert value(s, "perfmon_rank_straggler", job="solo", host="node-a", rank="pid:777") == 0
+    assert value(s, "perfmon_memory_bytes", job="solo", host="node-a", rank="pid:777",
+                 kind="rss") == GIB
+    assert value(s, "perfmon_job_info", job="solo", host="node-a", ranks="", processes="1",
+                 agent_version=dict(next(lbls for name, lbls in s
+                                         if name == "perfmon_job_info"))["agent_version"]) == 1
+
+
+def test_job_finished_removes_every_series_of_that_job_only(metrics: Metrics) -> None:
+    feed(metrics, "job-a", "node-a")
+    feed(metrics, "job-b", "node-a")
+    before = exposed(metrics)
+    of_b = {k: v for k, v in before.items() if ("job", "job-b") in k[1]}
+    assert len(names_with(before, job="job-a")) >= 20
+
+    metrics.job_finished("job-a")
+    after = exposed(metrics)
+    assert not [k for k in after if ("job", "job-a") in k[1]]
+    assert {k: v for k, v in after.items() if ("job", "job-b") in k[1]} == of_b
+    # Late calls about the finished job cannot bring its series back.
+    metrics.iteration("job-a", 0.1)
+    metrics.interval("job-a", ENTRY)
+    metrics.statistics("job-a", final_statistics(), hung=True)
+    metrics.rank_values("job-a", 0, 1, {"straggler": 1.0})
+    assert not [k for k in exposed(metrics) if ("job", "job-a") in k[1]]
+
+
+def test_statistics_replace_ranks_that_left(metrics: Metrics) -> None:
+    feed(metrics)
+    metrics.statistics("llama", final_statistics(ranks=[
+        {"pid": 4242, "peak_rss_gb": 2.0, "peak_gpu_memory_gb": None}]), hung=False)
+    memory = {k for k in exposed(metrics) if k[0] == "perfmon_memory_bytes"}
+    assert memory == {("perfmon_memory_bytes", frozenset(
+        {"job": "llama", "host": "node-a", "rank": "0", "kind": "rss"}.items()))}
+
+
+def test_calls_are_cheap(metrics: Metrics) -> None:
+    """The session calls these in its 200 ms loop under a 1%-of-a-core budget per rank."""
+    start_job(metrics)
+    fs = final_statistics()
+    t0 = time.process_time()
+    for i in range(20_000):
+        metrics.iteration("llama", 0.01 * (i % 300))
+    per_iteration_s = (time.process_time() - t0) / 20_000
+    t0 = time.process_time()
+    for _ in range(1_000):
+        metrics.interval("llama", ENTRY)
+        metrics.statistics("llama", fs, hung=False)
+    per_interval_s = (time.process_time() - t0) / 1_000
+    # ~1-2 us and ~20 us on the 2-vCPU VM; the bounds leave room for a loaded machine.
+    assert per_iteration_s < 50e-6, per_iteration_s
+    assert per_interval_s < 1e-3, per_interval_s
+
+
+# -- the HTTP endpoint ------------------------------------------------------------------------
+
+# No proxies: whatever http_proxy says, these requests stay on this host.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _get(url: str) -> str:
+    with _OPENER.open(url, timeout=5) as response:
+        return response.read().decode()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:0", "[::1]:0"])
+def test_serve_on_a_free_port_and_close(metrics: Metrics, address: str) -> None:
+    feed(metrics)
+    host, port = metrics.serve(address)
+    assert host == parse_address(address)[0] and port > 0
+    url_host = f"[{host}]" if ":" in host else host
+    text = _get(f"http://{url_host}:{port}/metrics")
+    assert 'perfmon_iterations_total{host="node-a",job="llama"} 4.0' in text
+    metrics.close()
+    metrics.close()  # idempotent
+    with pytest.raises(OSError):
+        _get(f"http://{url_host}:{port}/metrics")
+
+
+def test_default_address_is_loopback() -> None:
+    assert DEFAULT_ADDRESS == "127.0.0.1:9464"
+    assert parse_address(DEFAULT_ADDRESS) == ("127.0.0.1", 9464)
+    assert parse_address("[::1]:9464") == ("::1", 9464)
+
+
+@pytest.mark.parametrize("address, reason", [
+    ("127.0.0.1", "expected HOST:PORT"),
+    ("127.0.0.1:http", "port must be a number"),
+    ("127.0.0.1:70000", "port must be a number"),
+    (":9464", "no host"),
+    ("::1:9464", "in brackets"),
+    ("no-such-host.invalid:9464", "is not an IP address"),  # (and no DNS lookup)
+    ("192.0.2.1:9464", "not an address of this host"),
+])
+def test_bad_address_is_one_clear_error(metrics: Metrics, address: str, reason: str) -> None:
+    with pytest.raises(MetricsAddressError) as err:
+        metrics.serve(address)
+    assert err.value.exit_code == 2
+    message = str(err.value)
+    assert address in message and reason in message and "\n" not in message
+
+
+def test_port_in_use_is_one_clear_error(metrics: Metrics) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(MetricsAddressError) as err:
+            metrics.serve(f"127.0.0.1:{port}")
+    assert str(err.value) == (f"metrics address '127.0.0.1:{port}': port {port} is in use "
+                              "(another agent or exporter listens there)")
+    assert err.value.exit_code == 2
+    metrics.serve("127.0.0.1:0")  # the failed attempt left nothing behind
+    with pytest.raises(MetricsAddressError, match="already serves"):
+        metrics.serve("127.0.0.1:0")
+
+
+# -- rules, dashboard, documentation ---------------------------------------------------------
+
+def defined_names() -> tuple[set[str], set[str]]:
+    """(every sample name a fully fed Metrics writes, its metric names as documented:
+    histograms and gauges by family name, counters with _total)."""
+    with Metrics(host="node-a") as m:
+        feed(m)
+        families = list(m.registry.collect())
+    samples = {s.name for f in families for s in f.samples}
+    documented = {f.name + ("_total" if f.type == "counter" else "") for f in families}
+    assert all(f.samples for f in families), "feed() should give every family a sample"
+    return samples, documented
+
+
+def test_promtool_accepts_the_rules() -> None:
+    result = subprocess.run([_tool("promtool"), "check", "rules", str(RULES)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def _expressions_of(panels: list[dict[str, Any]]) -> Iterator[str]:
+    for panel in panels:
+        yield from (t["expr"] for t in panel.get("targets", []))
+        yield from _expressions_of(panel.get("panels", []))
+
+
+def test_dashboard_uses_only_metrics_the_agent_defines() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert 36 <= dashboard["schemaVersion"] <= 41
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    for name in ("job", "host"):
+        assert "label_values(" in variables[name]["definition"]
+    expressions = list(_expressions_of(dashboard["panels"]))
+    assert len(expressions) >= 12
+    used = {n for e in expressions for n in re.findall(r"\bperfmon_[a-z0-9_]+", e)}
+    samples, _ = defined_names()
+    assert used <= samples, used - samples
+    # The figures the brief asks for each have a panel.
+    for name in ("perfmon_step_time_seconds_bucket", "perfmon_tokens_per_second",
+                 "perfmon_tflops_per_gpu", "perfmon_mfu_ratio", "perfmon_memory_bytes",
+                 "perfmon_gpu_utilization_ratio", "perfmon_gpu_power_watts",
+                 "perfmon_gpu_throttled", "perfmon_hung", "perfmon_data_quality_losses"):
+        assert name in used, name
+    # Job-wide figures are averaged across hosts, never summed (each host reports the job's).
+    assert not [e for e in expressions if re.search(r"sum[^(]*\(perfmon_tokens_per_second", e)]
+
+
+def test_rules_use_only_metrics_the_agent_defines() -> None:
+    used = set(re.findall(r"(?<![:\w])perfmon_[a-z0-9_]+", RULES.read_text()))
+    samples, _ = defined_names()
+    assert used <= samples, used - samples
+
+
+def test_every_metric_is_documented() -> None:
+    doc = DOC.read_text()
+    _, documented = defined_names()
+    missing = {n for n in documented if f"`{n}`" not in doc}
+    assert not missing
+    assert "127.0.0.1:9464" in doc and "honor_labels: true" in doc
+
+
+# -- a real Prometheus --------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Prometheus:
+    """A Prometheus server of our own (never the Debian service), on 127.0.0.1."""
+
+    def __init__(self, binary: str, folder: Path, targets: list[str]) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = folder / "prometheus.yml"
+        config.write_text(json.dumps({  # YAML is a superset of JSON
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [{
+                "job_name": "perfmon", "honor_labels": True, "scrape_timeout": "1s",
+                "static_configs": [{"targets": targets}]}],
+        }))
+        self.log = folder / "prometheus.log"
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [binary, f"--config.file={config}", f"--storage.tsdb.path={folder / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
+                 "--storage.tsdb.retention.time=1h"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=folder)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                pytest.fail(f"prometheus exited ({self.proc.returncode}): "
+                            f"{self.log.read_text()[-2000:]}")
+            try:
+                return _get(f"{self.url}/-/ready").startswith("Prometheus")
+            except OSError:
+                return False
+        wait_until(ready, timeout_s, "prometheus to get ready")
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """The instant vector of an expression (fails on a query error)."""
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        answer = json.loads(_get(url))
+        assert answer["status"] == "success", (promql, answer)
+        result: list[dict[str, Any]] = answer["data"]["result"]
+        return result
+
+    def values(self, promql: str) -> list[float]:
+        return [float(r["value"][1]) for r in self.query(promql)]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait(timeout=15)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.25)
+
+
+def test_real_prometheus_scrapes_the_metrics_and_runs_the_rules(tmp_path: Path) -> None:
+    binary = _tool("prometheus")
+    metrics = Metrics(host="node-a")
+    prometheus: Prometheus | None = None
+    try:
+        _, port = metrics.serve("127.0.0.1:0")
+        metrics.job_started("llama-test", "node-a", [0, 1], pids=[4242, 4243])
+        metrics.agent(cpu_seconds_total=1.0, resident_bytes=40_000_000, jobs=1)
+        prometheus = Prometheus(binary, tmp_path, [f"127.0.0.1:{port}"])
+        prometheus.wait_ready()
+        job = 'job="llama-test"'
+        # A first scrape with the counters at 0, so that rate() sees the iterations below.
+        wait_until(lambda: prometheus.values(f"perfmon_iterations_total{{{job}}}") == [0.0],
+                   30, "the first scrape")
+
+        for _ in range(40):
+            metrics.iteration("llama-test", 0.2)
+        metrics.interval("llama-test", ENTRY)
+        metrics.statistics("llama-test", final_statistics(), hung=True)
+        # A scrape is one snapshot and statistics() came last: once hung is 1, all is in.
+        wait_until(lambda: prometheus.values(f"perfmon_hung{{{job}}}") == [1.0],
+                   30, "a scrape with everything fed")
+        assert prometheus.values(f"perfmon_iterations_total{{{job}}}") == [40.0]
+
+        # The agent's job label survived (honor_labels) next to its host label.
+        [series] = prometheus.query(f"perfmon_iterations_total{{{job}}}")
+        assert series["metric"]["host"] == "node-a"
+        # All 40 steps of 0.2 s lie in the bucket (0.178, 0.316]: Prometheus interpolates
+        # the median halfway into it.
+        p50 = prometheus.values("histogram_quantile(0.5, "
+                                f"rate(perfmon_step_time_seconds_bucket{{{job}}}[1m]))")
+        assert p50 == [pytest.approx(0.178 + (0.316 - 0.178) / 2)]
+        assert prometheus.values(f"perfmon_mfu_ratio{{{job}}}") == [pytest.approx(0.3)]
+        assert prometheus.values(f"perfmon_tokens_per_second{{{job}}}") == [5120.0]
+        assert prometheus.values(
+            f'perfmon_memory_bytes{{{job},rank="0",kind="gpu"}}') == [3.0 * GIB]
+        assert prometheus.values(f"perfmon_gpu_utilization_ratio{{{job}}}") == [
+            pytest.approx(0.87)]
+        # The agent's own series have no job label: they get the scrape job's.
+        assert prometheus.values('perfmon_agent_resident_memory_bytes{job="perfmon"}') == [
+            40_000_000.0]
+
+        # The rules file, loaded by the server, records and alerts on these series.
+        wait_until(lambda: prometheus.values(
+            f"job:perfmon_tokens_per_second:avg{{{job}}}") == [5120.0], 30, "recording rules")
+        assert prometheus.values(f"job:perfmon_step_time_seconds:p50_5m{{{job}}}") == [
+            pytest.approx(0.247)]
+        wait_until(lambda: bool(prometheus.query(
+            f'ALERTS{{alertname="PerfmonJobHung",alertstate="firing",{job}}}')),
+            30, "PerfmonJobHung to fire")
+        wait_until(lambda: bool(prometheus.query(
+            f'ALERTS{{alertname="PerfmonGpuLost",alertstate="firing",{job}}}')),
+            30, "PerfmonGpuLost to fire")
+
+        # Every dashboard expression is valid PromQL for this server.
+        for expr in _expressions_of(json.loads(DASHBOARD.read_text())["panels"]):
+            prometheus.query(expr.replace("$__rate_interval", "1m")
+                             .replace("$job", ".*").replace("$host", ".*"))
+
+        # A finished job leaves nothing: its series go stale at the next scrape.
+        metrics.job_finished("llama-test")
+        wait_until(lambda: not prometheus.query(f'{{__name__=~"perfmon_.+",{job}}}'),
+                   30, "the finished job's series to go")
+        assert prometheus.values('perfmon_agent_resident_memory_bytes{job="perfmon"}') == [
+            40_000_000.0]
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        metrics.close()
+    assert prometheus.proc.returncode is not None
