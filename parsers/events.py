@@ -191,6 +191,26 @@ class HangRecovered(Record):
 
 
 @dataclass(frozen=True)
+class RankExit(Record):
+    """A rank's end: ``t_mono_ns`` the kernel's time of its exit (else when the agent saw it
+    gone); `exit_code` or `signal` (with `core_dumped`) from its exit status, null when not
+    observed; `oom_killed`: the kernel's OOM killer chose it (null: OOM kills not watched);
+    `log_tail_cause`: the known failure in the last lines of its stdout/stderr
+    (perfmon.parsers.exit_causes); `source`: proc_connector, proc_stat or unobserved
+    (perfmon.probes.exits)."""
+
+    TYPE: ClassVar[str] = "rank_exit"
+    pid: int
+    exit_code: int | None
+    signal: str | None
+    core_dumped: bool | None
+    oom_killed: bool | None
+    log_tail_cause: dict[str, Any] | None
+    source: str
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
 class Quality(Record):
     """What a source saw and missed so far (cumulative counters, by name)."""
 
@@ -209,7 +229,7 @@ class SessionEnd(Record):
 
 RECORD_TYPES: tuple[type[Record], ...] = (
     SessionStart, LogPart, Quality, CudaSnapshot, Marker, JobIteration, Phase,
-    ProcessSample, GpuSamples, Xid, Ecc, Hang, HangRecovered, SessionEnd,
+    ProcessSample, GpuSamples, Xid, Ecc, Hang, HangRecovered, RankExit, SessionEnd,
 )
 BY_TYPE: dict[str, type[Record]] = {cls.TYPE: cls for cls in RECORD_TYPES}
 # Ties in time are ordered by type, as RECORD_TYPES lists them: a CUDA snapshot

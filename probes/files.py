@@ -19,6 +19,12 @@ Two kinds of input, two rules:
   on its last component, regular files only, size-capped, within a timeout. A
   root-only file the job names is therefore as unreadable to the agent as to
   the job, and nothing it holds can leak into the agent's outputs.
+- The job's own stdout and stderr (for the cause of its exit) are opened the
+  same way, as the job's user, through ``/proc/PID/fd/1`` and ``/2``: the
+  kernel's link to the open file itself, not a path a job could re-point.
+  Only regular files are opened (a FIFO, device or socket never is), and only
+  their last bytes are read, by a child process within a timeout, so a file on
+  a stalled network or FUSE filesystem cannot block the agent.
 
 Needs: for job files, root (CAP_SYS_CHROOT, CAP_SETUID, CAP_SETGID, and
 CAP_SYS_PTRACE to reach /proc/PID/root).
@@ -28,16 +34,20 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import stat
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from perfmon.parsers import procfs
 from perfmon.parsers.errors import PerfmonError
 
 MAX_CONFIG_BYTES = 4 << 20  # model config files, config.json: far above any real one
 JOB_FILE_TIMEOUT_S = 1.0
+# Of a job's stdout/stderr only the end is read: the lines before it exited.
+OUTPUT_TAIL_BYTES = 64 << 10
 _MAX_LINK_HOPS = 40
 
 
@@ -348,3 +358,171 @@ def read_job_file(pid: int, path: str, max_bytes: int = MAX_CONFIG_BYTES,
         reason = err_text.decode("utf-8", "replace").strip()[:200] or f"exit {child.returncode}"
         raise JobFileError(f"{shown}: as uid {uid}: {reason}")
     return out
+
+
+# Runs in a child as root until it has taken the job's credentials; then, for each
+# fd number, opens /proc/PID/fd/N (the kernel's link to the open file itself, so
+# no path the job controls is walked) when it is a regular file the job's user may
+# read, and passes the fd back over a socket (SCM_RIGHTS). stat() first, so a FIFO
+# or device is never opened at all; fstat() after, in case the job swapped its fd
+# in between. One line per fd number on stdout when it was not passed.
+_OUTPUT_OPENER = r"""
+import os, socket, stat, sys
+pid, sock_fd, uid, gid = map(int, sys.argv[1:5])
+groups = [int(g) for g in sys.argv[5].split(",") if g]
+sock = socket.socket(fileno=sock_fd)
+os.setgroups(groups)
+os.setresgid(gid, gid, gid)
+os.setresuid(uid, uid, uid)
+for number in sys.argv[6:]:
+    path = "/proc/%d/fd/%s" % (pid, number)
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISREG(mode):
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode):
+                socket.send_fds(sock, [number.encode()], [fd])
+                os.close(fd)
+                continue
+            os.close(fd)
+        print(number, "mode", mode, flush=True)
+    except OSError as err:
+        print(number, "error", err.strerror, flush=True)
+"""
+
+
+def open_job_outputs(pid: int, fd_numbers: tuple[int, ...] = (1, 2),
+                     timeout_s: float = JOB_FILE_TIMEOUT_S) -> dict[int, int | str]:
+    """For each of ``fd_numbers`` of process ``pid``: a read-only fd of the regular file it
+    has open there (its stdout, stderr), opened with the job's credentials; else why not
+    (e.g. "a FIFO, not a regular file", "Permission denied").
+
+    The fds are the caller's to close (close-on-exec, non-blocking). Raises JobFileError
+    (naming the pid) when the job's credentials cannot be read or the opener fails.
+    """
+    uid, gid, groups = job_credentials(pid)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    results: dict[int, int | str] = {}
+    try:
+        try:
+            child = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _OUTPUT_OPENER, str(pid), str(theirs.fileno()),
+                 str(uid), str(gid), ",".join(map(str, groups)), *map(str, fd_numbers)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(theirs.fileno(),), env={}, cwd="/")
+        except OSError as err:
+            raise JobFileError(f"pid {pid}: cannot start the opener of its outputs: "
+                               f"{err.strerror}") from err
+        finally:
+            theirs.close()
+        try:
+            out, err_text = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, err_text = child.communicate()
+            err_text = f"not opened within {timeout_s:g} s".encode()
+        ours.setblocking(False)
+        while True:
+            try:
+                tag, fds, _, _ = socket.recv_fds(ours, 16, 1, socket.MSG_CMSG_CLOEXEC)
+            except BlockingIOError:
+                break
+            for fd in fds:
+                if tag.isdigit() and int(tag) in fd_numbers and int(tag) not in results:
+                    results[int(tag)] = fd
+                else:
+                    os.close(fd)
+            if not fds:
+                break
+    except BaseException:
+        for value in results.values():
+            if isinstance(value, int):
+                os.close(value)
+        raise
+    finally:
+        ours.close()
+    for line in out.decode("ascii", "replace").splitlines():
+        field, _, rest = line.partition(" ")
+        kind, _, value = rest.partition(" ")
+        if field.isdigit() and int(field) in fd_numbers and int(field) not in results:
+            results[int(field)] = (f"{_file_kind(int(value))}, not a regular file"
+                                 if kind == "mode" and value.isdigit() else value[:200])
+    for number in fd_numbers:
+        if number not in results:
+            reason = err_text.decode("utf-8", "replace").strip().splitlines()
+            results[number] = (reason[-1][:200] if reason else f"exit {child.returncode}")
+    return results
+
+
+@dataclass(frozen=True)
+class FileTail:
+    """The last bytes of a file: ``data`` begins at byte ``offset`` (0: the whole file)."""
+
+    data: bytes
+    offset: int
+
+
+# Runs in a child with the fds passed to it: the last CAP bytes of each, so that a read
+# that never returns (a FUSE daemon that stalls, a hard NFS mount whose server is gone)
+# is the child's and is killed at the timeout. "FD OFFSET LENGTH\n" then the bytes, or
+# "FD -1 0\n" when the read failed.
+_TAIL_READER = r"""
+import os, sys
+cap = int(sys.argv[1])
+out = sys.stdout.buffer
+for fd in map(int, sys.argv[2:]):
+    try:
+        start = max(0, os.fstat(fd).st_size - cap)
+        data = b""
+        while len(data) < cap:
+            chunk = os.pread(fd, cap - len(data), start + len(data))
+            if not chunk:
+                break
+            data += chunk
+        out.write(b"%d %d %d\n" % (fd, start, len(data)) + data)
+    except OSError:
+        out.write(b"%d -1 0\n" % fd)
+    out.flush()
+"""
+
+
+def read_file_tails(fds: list[int], max_bytes: int = OUTPUT_TAIL_BYTES,
+                    timeout_s: float = JOB_FILE_TIMEOUT_S) -> dict[int, FileTail | str]:
+    """The last ``max_bytes`` of each regular file open at ``fds``, read by one child
+    process within ``timeout_s``; for an fd whose file could not be read, why not."""
+    results: dict[int, FileTail | str] = {}
+    if not fds:
+        return results
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _TAIL_READER, str(max_bytes), *map(str, fds)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            pass_fds=tuple(fds), env={}, cwd="/")
+    except OSError as err:
+        return {fd: f"cannot start the reader: {err.strerror}" for fd in fds}
+    try:
+        out, _ = child.communicate(timeout=timeout_s)
+        late = False
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, _ = child.communicate()
+        late = True
+    position = 0
+    while position < len(out):
+        end = out.find(b"\n", position)
+        if end < 0:
+            break
+        header = out[position:end].split()
+        if len(header) != 3:
+            break
+        fd, offset, length = map(int, header)
+        data = out[end + 1:end + 1 + length]
+        if len(data) < length:
+            break  # cut short by the timeout
+        results[fd] = FileTail(data, offset) if offset >= 0 else "cannot read it"
+        position = end + 1 + length
+    for fd in fds:
+        if fd not in results:
+            results[fd] = f"not read within {timeout_s:g} s" if late else "cannot read it"
+    return results

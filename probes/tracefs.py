@@ -244,6 +244,111 @@ def check_tracefs_prerequisites() -> str:
     return root
 
 
+def tracefs_root() -> str:
+    """The tracefs root (mounted here when it was not), for instances and static trace events.
+
+    Unlike :func:`check_tracefs_prerequisites` it asks for no uprobe events: a
+    tracepoint (e.g. ``oom:mark_victim``) needs only an instance to enable it in.
+    Raises PrivilegeError or PrerequisiteMissing, naming the agent's pid.
+    """
+    root = _find_tracefs()
+    instances = os.path.join(root, "instances")
+    try:
+        os.stat(instances)
+    except PermissionError as err:  # tracefs' root folder is root's alone (mode 0700)
+        raise PrivilegeError(f"{_agent()}: cannot reach {instances} ({err.strerror}): "
+                             "run as root") from err
+    except OSError as err:
+        raise PrerequisiteMissing(f"{_agent()}: {root} has no instances folder (Linux < 3.19)"
+                                  ) from err
+    return root
+
+
+def make_instance(root: str, group: str, buffer_kb: int) -> str:
+    """A new private instance ``<group>_<8 hex>`` of tracefs ``root``; its path.
+
+    Its ``trace_clock`` is ``mono`` (CLOCK_MONOTONIC, the clock of every record)
+    and its ring buffer ``buffer_kb`` KiB per CPU; only the instance's settings
+    change, the global buffer keeps its own. Raises PrerequisiteMissing; an
+    instance whose settings failed is removed again.
+    """
+    path = os.path.join(root, "instances", f"{group}_{secrets.token_hex(4)}")
+    try:
+        os.mkdir(path)
+    except OSError as err:
+        raise PrerequisiteMissing(
+            f"{_agent()}: cannot create a tracefs instance in {root}/instances: {err.strerror}"
+        ) from err
+    try:
+        _write(os.path.join(path, "trace_clock"), "mono")
+        _write(os.path.join(path, "buffer_size_kb"), str(buffer_kb))
+    except OSError as err:
+        remove_instance(path)
+        raise PrerequisiteMissing(
+            f"{_agent()}: cannot configure tracefs instance {path}: {err.strerror}"
+        ) from err
+    return path
+
+
+def enable_event(instance: str, system: str, event: str) -> None:
+    """Enable trace event ``system:event`` in an instance only (path from make_instance).
+
+    Raises FileNotFoundError when the kernel has no such event, OSError otherwise.
+    """
+    _write(os.path.join(instance, "events", system, event, "enable"), "1")
+
+
+def remove_instance(path: str) -> str | None:
+    """Remove a tracefs instance (which disables the events enabled in it); a warning when
+    it cannot be (None when done or gone)."""
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:  # EBUSY: someone holds its trace_pipe open
+        return f"{_agent()}: cannot remove tracefs instance {path}: {err.strerror}"
+    return None
+
+
+def ring_buffer_losses(instance: str) -> int | None:
+    """Events an instance's ring buffer lost (overwritten or not stored), summed over its
+    CPUs; None when its statistics cannot be read."""
+    per_cpu = os.path.join(instance, "per_cpu")
+    total = 0
+    try:
+        for cpu in os.listdir(per_cpu):
+            for line in _read_text(os.path.join(per_cpu, cpu, "stats")).splitlines():
+                key, _, value = line.partition(":")
+                if key.strip() in _LOSS_COUNTERS and value.strip().isdigit():
+                    total += int(value)
+    except OSError:
+        return None
+    return total
+
+
+def read_trace_pipe(fd: int, partial: bytes,
+                    max_bytes: int = _MAX_READ_PER_POLL_BYTES) -> tuple[list[bytes], bytes]:
+    """The complete lines waiting in a trace_pipe opened ``O_NONBLOCK`` (about ``max_bytes``
+    at most, so a flood waits for the next call), and the partial last line to pass back
+    as ``partial`` next time. Never blocks; OSError from the read propagates.
+    """
+    chunks, total = [partial], 0
+    while total < max_bytes:
+        try:
+            chunk = os.read(fd, _READ_CHUNK_BYTES)
+        except BlockingIOError:
+            break  # nothing more now
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    lines = b"".join(chunks).split(b"\n")
+    partial = lines.pop()
+    if len(partial) > _MAX_PARTIAL_LINE_BYTES:
+        partial = b""  # no event line is this long: not ours
+    return lines, partial
+
+
 def _write(path: str, text: str, append: bool = False) -> None:
     """One write() of ``text`` to a tracefs file. Never opens with O_TRUNC: on
     uprobe_events and set_event_pid that would clear what others defined."""
@@ -296,17 +401,32 @@ class TraceLine:
 # fixed column rather than splitting. TGID is there with options/record-tgid,
 # FLAGS with options/irq-info.
 _COMM_WIDTH = 16
-_CONTEXT = re.compile(
-    rb"-(\d+) +(?:\( *(\d+|-+)\) +)?\[\d+\] +(?:\S+ +)?(\d+)\.(\d{6}): (\w+): "
-    rb"\(0x[0-9a-f]+(?: <- 0x[0-9a-f]+)?\)(.*)",
-    re.S,
-)
+_CONTEXT_PREFIX = rb"-(\d+) +(?:\( *(\d+|-+)\) +)?\[\d+\] +(?:\S+ +)?(\d+)\.(\d{6}): (\w+): "
+_CONTEXT = re.compile(_CONTEXT_PREFIX + rb"\(0x[0-9a-f]+(?: <- 0x[0-9a-f]+)?\)(.*)", re.S)
+# Any event's line (a tracepoint's fields follow its name: "mark_victim: pid=1973 ...").
+_ANY_EVENT = re.compile(_CONTEXT_PREFIX + rb"(.*)", re.S)
 _NAME_ARG = re.compile(rb' name="(.*)"', re.S)
 
 
 def parse_trace_line(line: bytes) -> TraceLine | None:
     """A uprobe event line of trace_pipe (without its newline), or None for any other line."""
     m = _CONTEXT.fullmatch(line, _COMM_WIDTH)
+    if m is None:
+        return None
+    tid, tgid, seconds, micros, event, args = m.groups()
+    return TraceLine(
+        tid=int(tid),
+        tgid=int(tgid) if tgid and tgid.isdigit() else None,
+        t_mono_ns=int(seconds) * 1_000_000_000 + int(micros) * 1000,
+        event=event.decode("ascii"),
+        args=args,
+    )
+
+
+def parse_event_line(line: bytes) -> TraceLine | None:
+    """Any event line of trace_pipe (a tracepoint's too), or None for another line;
+    ``args`` holds what follows the event's name (``b"pid=1973 comm=python ..."``)."""
+    m = _ANY_EVENT.fullmatch(line, _COMM_WIDTH)
     if m is None:
         return None
     tid, tgid, seconds, micros, event, args = m.groups()
@@ -374,7 +494,11 @@ def remove_stale_probes(root: str) -> list[str]:
     warnings: list[str] = []
     events: dict[int, list[str]] = {}
     try:
-        for line in _read_text(os.path.join(root, "uprobe_events")).splitlines():
+        try:
+            uprobe_events = _read_text(os.path.join(root, "uprobe_events")).splitlines()
+        except FileNotFoundError:
+            uprobe_events = []  # no CONFIG_UPROBE_EVENTS: instances only (perfmon.probes.exits)
+        for line in uprobe_events:
             m = _EVENT_LINE.match(line)
             if m:
                 events.setdefault(int(m.group(1)), []).append(m.group(2))
@@ -537,19 +661,9 @@ class TracefsMarkerProbe(Source):
         return list(points.values())
 
     def _make_instance(self) -> None:
-        self.instance_name = f"{self.group}_{secrets.token_hex(4)}"
+        path = make_instance(self._root, self.group, buffer_size_kb())
+        self.instance_name = os.path.basename(path)
         try:
-            os.mkdir(self._instance)
-        except OSError as err:
-            self.instance_name = None
-            raise PrerequisiteMissing(
-                f"{_agent()}: cannot create a tracefs instance in {self._root}/instances: "
-                f"{err.strerror}"
-            ) from err
-        try:
-            # Only this instance's settings change; the global buffer keeps its clock.
-            _write(os.path.join(self._instance, "trace_clock"), "mono")
-            _write(os.path.join(self._instance, "buffer_size_kb"), str(buffer_size_kb()))
             # Threads a target starts later inherit its place in set_event_pid.
             _write(os.path.join(self._instance, "options", "event-fork"), "1")
         except OSError as err:
@@ -659,26 +773,14 @@ class TracefsMarkerProbe(Source):
     def _poll(self) -> list[Record]:
         if self._pipe < 0:
             return []
-        chunks, total = [self._partial], 0
-        while total < _MAX_READ_PER_POLL_BYTES:
-            try:
-                chunk = os.read(self._pipe, _READ_CHUNK_BYTES)
-            except BlockingIOError:
-                break  # nothing more now
-            except OSError as err:
-                self.warnings.append(f"{_agent()}: reading {self._instance}/trace_pipe failed: "
-                                     f"{err.strerror}; no more markers")
-                os.close(self._pipe)
-                self._pipe = -1
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        lines = b"".join(chunks).split(b"\n")
-        self._partial = lines.pop()
-        if len(self._partial) > _MAX_PARTIAL_LINE_BYTES:
-            self._partial = b""  # no event line is this long: not ours
+        try:
+            lines, self._partial = read_trace_pipe(self._pipe, self._partial)
+        except OSError as err:
+            self.warnings.append(f"{_agent()}: reading {self._instance}/trace_pipe failed: "
+                                 f"{err.strerror}; no more markers")
+            os.close(self._pipe)
+            self._pipe = -1
+            return []
         events = []
         lost = False
         for line in lines:
@@ -734,17 +836,9 @@ class TracefsMarkerProbe(Source):
 
     def _read_dropped(self) -> None:
         """Events the instance's ring buffer lost, summed over its CPUs."""
-        per_cpu = os.path.join(self._instance, "per_cpu")
-        total = 0
-        try:
-            for cpu in os.listdir(per_cpu):
-                for line in _read_text(os.path.join(per_cpu, cpu, "stats")).splitlines():
-                    key, _, value = line.partition(":")
-                    if key.strip() in _LOSS_COUNTERS and value.strip().isdigit():
-                        total += int(value)
-        except OSError:
-            return
-        self.dropped = total
+        total = ring_buffer_losses(self._instance)
+        if total is not None:
+            self.dropped = total
 
     # -- clean-up --
 
@@ -770,13 +864,9 @@ class TracefsMarkerProbe(Source):
             os.close(self._pipe)
             self._pipe = -1
         if self.instance_name is not None:
-            try:
-                os.rmdir(self._instance)
-            except FileNotFoundError:
-                pass
-            except OSError as err:  # EBUSY: someone holds its trace_pipe open
-                self.warnings.append(f"{_agent()}: cannot remove tracefs instance "
-                                     f"{self._instance}: {err.strerror}")
+            warning = remove_instance(self._instance)
+            if warning:
+                self.warnings.append(warning)
             self.instance_name = None
         for name in self._defined:
             warning = _remove_event(self._root, self.group, name)

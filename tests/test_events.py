@@ -44,6 +44,9 @@ def test_every_record_round_trips_and_checks(cls):
         "hang": {"last_iteration_mono_ns": 0, "threshold_s": 120.0, "frame": "f",
                  "report": "r"},
         "hang_recovered": {}, "session_end": {"reason": "duration"},
+        "rank_exit": {"pid": 1, "exit_code": 1, "signal": None, "core_dumped": False,
+                      "oom_killed": None, "source": "proc_connector", "rank": 0,
+                      "log_tail_cause": {"cause": "cuda_out_of_memory", "message": "m"}},
     }[cls.TYPE]
     record = cls(t_mono_ns=1, **example).to_record()
     assert record["type"] == cls.TYPE and record_problem(record) is None

@@ -12,6 +12,7 @@ means one record type (perfmon.parsers.events) and one reducer here.
 - resources.Resources: memory and GPU series, GPU events
 - cuda.CudaActivity: CUDA/NCCL per iteration
 - quality.DataQuality, quality.Hangs: what sources missed; hangs
+- exits.Exits: how each rank ended, and the job's cause
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from perfmon.agent.model import Workload
 from perfmon.agent.reducers.cuda import CudaActivity
+from perfmon.agent.reducers.exits import Exits
 from perfmon.agent.reducers.intervals import DEFAULT_MAX_LOG_ENTRIES, Intervals
 from perfmon.agent.reducers.iterations import IterationClock
 from perfmon.agent.reducers.phases import PhaseAccount
@@ -50,6 +52,7 @@ class Summarizer:
         self.cuda = CudaActivity(primary_pid) if cuda_counters else None
         self.quality = DataQuality()
         self.hangs = Hangs(self.wall_time)
+        self.exits = Exits(self.wall_time)
         self.intervals = Intervals(
             clock=self.clock, phases=self.phases, resources=self.resources, cuda=self.cuda,
             log_interval=log_interval, max_log_entries=max_log_entries,
@@ -69,6 +72,7 @@ class Summarizer:
             "hang": self.hangs.on_hang,
             "hang_recovered": self.hangs.on_recovered,
             "quality": self._on_quality,
+            "rank_exit": self.exits.on_exit,
             "session_end": self._on_end,
         }
         if self.cuda is not None:
@@ -133,6 +137,7 @@ class Summarizer:
             "total_iterations": self.clock.iterations_ended,
             "hung": self.hangs.hung,
             "iteration_logs_kept_one_in": self.intervals.log_stride,
+            "exit": self.exits.summary(),
         }
         if self.clock.job.offset is not None:
             fields["iteration_numbering"] = (
