@@ -13,6 +13,7 @@ continuously (the stacks are the evidence).
 from __future__ import annotations
 
 import resource
+import threading
 from typing import Any
 
 from perfmon.probes.pyspy import MIN_DUTY
@@ -36,12 +37,57 @@ def _cpu_s() -> tuple[float, float]:
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
+class BudgetPool:
+    """One CPU budget for every session of the process (``serve`` and ``run`` watch several
+    jobs from one process, whose ``getrusage`` counts them all).
+
+    Each session gets the share of the process's CPU that its ranks are of all
+    ranks watched, and a per-rank budget of ``total_pct`` over all ranks, at
+    most ``per_rank_pct``.
+    """
+
+    def __init__(self, total_pct: float, per_rank_pct: float) -> None:
+        self.total_pct = total_pct
+        self.per_rank_pct = per_rank_pct
+        self._ranks: dict[int, int] = {}  # id(budget) -> its ranks
+        self._lock = threading.Lock()
+
+    def configure(self, total_pct: float, per_rank_pct: float) -> None:
+        """New limits (a reloaded config); sessions follow at their next period."""
+        self.total_pct, self.per_rank_pct = total_pct, per_rank_pct
+
+    def join(self, member: object, ranks: int) -> None:
+        with self._lock:
+            self._ranks[id(member)] = ranks
+
+    def leave(self, member: object) -> None:
+        with self._lock:
+            self._ranks.pop(id(member), None)
+
+    @property
+    def ranks(self) -> int:
+        with self._lock:
+            return max(1, sum(self._ranks.values()))
+
+    def budget_pct_per_rank(self) -> float:
+        return min(self.per_rank_pct, self.total_pct / self.ranks)
+
+    def share(self, ranks: int) -> float:
+        """The part of the process's CPU that ``ranks`` ranks account for."""
+        return min(1.0, ranks / self.ranks)
+
+
 class CpuBudget:
     """Adapts the stack sampling's duty to the budget; ``state()`` says where it stands."""
 
-    def __init__(self, budget_pct: float, ranks: int, stacks: StackSource | None) -> None:
-        self.budget_pct = budget_pct
+    def __init__(self, budget_pct: float, ranks: int, stacks: StackSource | None,
+                 pool: BudgetPool | None = None) -> None:
+        self.pool = pool
         self.ranks = max(1, ranks)
+        if pool is not None:
+            pool.join(self, self.ranks)
+            budget_pct = pool.budget_pct_per_rank()
+        self.budget_pct = budget_pct
         self.stacks = stacks
         self.agent_pct_per_rank: float | None = None  # over the last period
         self._mark = (monotonic_ns(), *_cpu_s())
@@ -61,7 +107,12 @@ class CpuBudget:
         me, kids = _cpu_s()
         self._mark = (now_ns, me, kids)
         wall = (now_ns - wall_ns) / 1e9
-        base_pct, sampling_pct = 100 * (me - me_s) / wall, 100 * (kids - kids_s) / wall
+        share = 1.0
+        if self.pool is not None:
+            self.budget_pct = self.pool.budget_pct_per_rank()
+            share = self.pool.share(self.ranks)
+        base_pct = share * 100 * (me - me_s) / wall
+        sampling_pct = share * 100 * (kids - kids_s) / wall
         self.agent_pct_per_rank = (base_pct + sampling_pct) / self.ranks
         if self.stacks is None or self._hang:
             return
@@ -71,6 +122,11 @@ class CpuBudget:
         target = max(MIN_DUTY, min(1.0, allowed / per_duty))
         # Halfway there each period (geometrically): no oscillation on noisy measures.
         self.stacks.set_duty((duty * target) ** 0.5)
+
+    def close(self) -> None:
+        """The session ended: its ranks leave the pool."""
+        if self.pool is not None:
+            self.pool.leave(self)
 
     def state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"budget_pct_per_rank": self.budget_pct}

@@ -12,24 +12,27 @@ from __future__ import annotations
 
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from perfmon.agent.budget import DEFAULT_BUDGET_PCT, CpuBudget
+from perfmon.agent.budget import DEFAULT_BUDGET_PCT, BudgetPool, CpuBudget
 from perfmon.agent.eventlog import DEFAULT_PART_BYTES, EventLogWriter
 from perfmon.agent.health import run_health_check
+from perfmon.agent.jobs import job_identity
 from perfmon.agent.model import Workload, build_workload, explicit_model_fields, resolve_model
 from perfmon.agent.outputs import OutputDir, OutputDirError, OutputNotWritable, json_bytes
 from perfmon.agent.reducers import DEFAULT_MAX_LOG_ENTRIES, Summarizer
 from perfmon.agent.sources import (
     host_can_probe,
     open_cuda_source,
+    open_exit_source,
     open_iteration_source,
     open_stack_source,
     started,
@@ -99,6 +102,40 @@ class AttachOptions:
     cuda_launches: str = "sampled"  # sampled | always | off (perfmon.probes.cuda)
 
 
+class SessionObserver:
+    """What a session tells as it goes (the Prometheus metrics of a job, perfmon.agent.
+    metrics.JobMetrics); every method is called from the session's own thread."""
+
+    def started(self, facts: dict[str, Any]) -> None:
+        """Monitoring began: the session's facts (pids, ranks, model...)."""
+
+    def iterations(self, step_times_s: list[float]) -> None:
+        """Iterations measured since the last call, their step times (s)."""
+
+    def interval(self, entry: dict[str, Any]) -> None:
+        """A completed iteration_logs entry."""
+
+    def written(self, summary: dict[str, Any]) -> None:
+        """The summary as just written (periodically, and at the end)."""
+
+    def finished(self, result: SessionResult) -> None:
+        """The session ended; its final summary is written (or failed to be)."""
+
+
+@dataclass
+class SessionContext:
+    """What the process running a session provides; ``attach`` needs none of it, the node
+    service (many sessions, one per job, each in its own thread) all of it."""
+
+    targets: list[TargetProcess] | None = None  # resolved already (else from options.pid)
+    observer: SessionObserver = field(default_factory=SessionObserver)
+    budget_pool: BudgetPool | None = None  # one CPU budget shared by the sessions
+    # bcc's compiler is not known to be thread-safe: one session starts its sources at a time.
+    setup_lock: threading.Lock | None = None
+    handle_signals: bool = True  # SIGINT/SIGTERM/SIGHUP end the session (main thread only)
+    job: dict[str, Any] | None = None  # the job record, kept as session_info.job
+
+
 @dataclass
 class SessionResult:
     summary_path: Path
@@ -141,10 +178,13 @@ class MonitorSession:
     """
 
     def __init__(self, options: AttachOptions, progress: Callable[[dict[str, Any]], None],
-                 warn: Callable[[str], None] = lambda _line: None) -> None:
+                 warn: Callable[[str], None] = lambda _line: None,
+                 context: SessionContext | None = None) -> None:
         self.options = options
         self.progress = progress
         self.warn = warn
+        self.context = context or SessionContext()
+        self._measured = 0  # step times handed to the observer
         self._stop_reason: str | None = None
         self._hang_since: int | None = None  # iterations_ended when the hang was declared
         self._hang_facts: dict[str, Any] | None = None  # while its dump runs
@@ -165,15 +205,24 @@ class MonitorSession:
     # -- setting up ------------------------------------------------------------------
 
     def run(self) -> SessionResult:
-        opts = self.options
+        opts, context = self.options, self.context
         explicit = explicit_model_fields(opts.model_config, opts.model_preset)
         with ExitStack() as stack:
+            live = self._setup(stack, explicit)
+            result = self._monitor(live)
+        context.observer.finished(result)
+        return result
+
+    def _setup(self, stack: ExitStack, explicit: dict[str, Any]) -> _Live:
+        """Check, resolve and start every source inside ``stack``; the session's _Live."""
+        opts, context = self.options, self.context
+        with context.setup_lock or nullcontext():
             # The output dir is checked (owner, mode, writable) before any process is read.
             out = OutputDir.open(opts.output_dir, allow_shared=opts.allow_shared_output_dir)
             stack.callback(out.close)
             # And the host's lacks (privileges, bcc, headers) too.
             can_probe = host_can_probe(opts, self._warning)
-            targets = resolve_targets(opts.pid)
+            targets = context.targets or resolve_targets(opts.pid)
             primary = targets[0]
             model = resolve_model(primary, explicit)
             for text in model.warnings:
@@ -202,7 +251,8 @@ class MonitorSession:
                                else (None, {"available": False,
                                             "reason": "no uprobes (py-spy mode)"}))
             memory = started(stack, MemorySource(pids, opts.memory_interval_s), self._warning)
-            sources = [s for s in (probe, stacks, cuda, memory, gpu) if s is not None]
+            exits = open_exit_source(targets, stack, self._warning)
+            sources = [s for s in (probe, stacks, cuda, memory, gpu, exits) if s is not None]
             # Within the CPU budget, stacks are sampled in bursts; iterations from
             # samples (py-spy mode) need them continuously.
             bursts = stacks is not None and probe is not None and opts.cpu_budget_pct > 0
@@ -220,7 +270,7 @@ class MonitorSession:
                                facts_extra=facts_extra, dumps=dumps)
             for record in first_gpu_records:
                 self._log(live, record.to_record())
-            return self._monitor(live)
+            return live
 
     def _begin(self, out: OutputDir, targets: list[TargetProcess], sources: list[Source], *,
                stacks: StackSource | None, workload: Workload, facts_extra: dict[str, Any],
@@ -248,6 +298,11 @@ class MonitorSession:
             "workload": workload.__dict__,
             "iteration_logs_max_entries": opts.max_log_entries,
         }
+        # The job this session belongs to: as the node service named it, else from the
+        # primary rank's job variables, as the service would (perfmon.agent.jobs).
+        name, id_from = job_identity(primary.environ, f"{primary.name}-{primary.pid}")
+        facts["job"] = self.context.job or {"id": name, "name": name, "id_from": id_from,
+                                            "host": facts["host"]}
         summarizer = Summarizer(
             workload, primary.pid, start_ns, start_wall.timestamp(), opts.log_interval,
             stack_sampling=stacks is not None, cuda_counters=facts["cuda"]["available"],
@@ -257,10 +312,12 @@ class MonitorSession:
             out, start_wall.strftime("%Y%m%d_%H%M%S"), facts, summarizer)
         facts["event_log"] = log.name
         budget = CpuBudget(opts.cpu_budget_pct, len(targets),
-                           stacks if facts["stack_sampling_mode"] == "bursts" else None)
+                           stacks if facts["stack_sampling_mode"] == "bursts" else None,
+                           self.context.budget_pool)
         live = _Live(targets, sources, stacks, out, log, summary_file, summarizer, facts, dumps,
                      budget)
         log.append(SessionStart(start_ns, facts).to_record())
+        self.context.observer.started(facts)
         return live
 
     # -- the loop --------------------------------------------------------------------
@@ -270,7 +327,8 @@ class MonitorSession:
         summarizer, log = live.summarizer, live.log
         start_ns = summarizer.start_t_mono_ns
         self._write(live)
-        previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        previous = ({s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+                    if self.context.handle_signals else {})
         deadline = start_ns + int(opts.duration_s * 1e9) if opts.duration_s else None
         next_liveness = next_write = next_refresh = start_ns
         try:
@@ -291,7 +349,9 @@ class MonitorSession:
                     self._stop_reason = "duration"
                 elif now >= next_liveness:
                     next_liveness = now + LIVENESS_INTERVAL_NS
-                    if not is_running(live.targets[0]):
+                    # Every rank gone: ranks may end one by one, and the job's end (and
+                    # each rank's) is only known once the last one has.
+                    if not any(is_running(t) for t in live.targets):
                         self._stop_reason = "target_exited"
         finally:
             # The window ends now: take what the kernel delivered up to this instant,
@@ -306,10 +366,12 @@ class MonitorSession:
             self._log_quality(live)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            live.budget.close()
             self._log(live, SessionEnd(end_ns, self._stop_reason or "error").to_record())
             log_ok = log.close()
             summary = build_summary(live.facts, summarizer)
             summary_ok = live.summary_file.write(summary)
+            self.context.observer.written(summary)
         result = SessionResult(live.summary_file.path, live.out.path / log.name, summary,
                                self.warnings)
         failed = live.summary_file if not summary_ok else (log if not log_ok else None)
@@ -331,6 +393,11 @@ class MonitorSession:
         completed = False
         for record in records:
             completed |= self._log(live, record)
+        clock = live.summarizer.clock
+        if clock.measured > self._measured:
+            self.context.observer.iterations(
+                [ns / 1e9 for ns in clock.step_times_ns(self._measured)])
+            self._measured = clock.measured
         return completed
 
     def _log(self, live: _Live, record: dict[str, Any]) -> bool:
@@ -339,6 +406,7 @@ class MonitorSession:
         entries = live.summarizer.feed(record)
         for entry in entries:
             self.progress(entry)
+            self.context.observer.interval(entry)
         return bool(entries)
 
     def _log_quality(self, live: _Live) -> None:
@@ -385,10 +453,10 @@ class MonitorSession:
         """
         self._log_quality(live)
         log, summary_file = live.log, live.summary_file
+        summary = build_summary(live.facts, live.summarizer)
         for what, ok, error in (
             ("event log", log.flush(), log.error),
-            ("summary", summary_file.write(build_summary(live.facts, live.summarizer),
-                                           compact=True), summary_file.error),
+            ("summary", summary_file.write(summary, compact=True), summary_file.error),
         ):
             failing = self._failing.get(what, False)
             if not ok and not failing:
@@ -398,6 +466,7 @@ class MonitorSession:
             elif ok and failing:
                 self.warn(f"the {what} is written again")
             self._failing[what] = not ok
+        self.context.observer.written(summary)
 
     # -- hangs -----------------------------------------------------------------------
 

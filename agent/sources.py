@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from perfmon.parsers.errors import PerfmonError
 from perfmon.probes.cuda import CudaSource
 from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError, SymbolNotFound
+from perfmon.probes.exits import ExitSource
 from perfmon.probes.procfs import TargetProcess
 from perfmon.probes.sampler import Source
 from perfmon.probes.stacks import StackSource
@@ -144,3 +145,18 @@ def open_cuda_source(targets: list[TargetProcess], launches: str, stack: ExitSta
     if not source.available:
         return None, {"available": False, "reason": source.reason}
     return source, {"available": True, "attached": source.attached, "launches": launches}
+
+
+def open_exit_source(targets: list[TargetProcess], stack: ExitStack,
+                     warn: Callable[[str], None]) -> ExitSource | None:
+    """How each rank ends (exit status from the kernel, OOM kills, last lines); without
+    its kernel hooks it still records each end, with what can be known (a warning)."""
+    source = ExitSource(targets)
+    try:
+        started(stack, source, warn)
+    except PerfmonError as err:
+        warn(f"rank exits not recorded: {err}")
+        return None
+    for text in source.warnings:
+        warn(text)
+    return source

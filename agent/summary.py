@@ -144,7 +144,7 @@ class Rebuilt:
     warnings: list[str] = field(default_factory=list)
 
 
-def _replay(parts: list[Path], start: Callable[[dict[str, Any]], Callable[[dict[str, Any]], object]]
+def replay(parts: list[Path], start: Callable[[dict[str, Any]], Callable[[dict[str, Any]], object]]
             ) -> tuple[list[str], bool, int]:
     """Feed every record of a log's parts to the sink that ``start(session_start)`` makes.
 
@@ -185,28 +185,47 @@ def _replay(parts: list[Path], start: Callable[[dict[str, Any]], Callable[[dict[
     return warnings, tail_cut, last_ns
 
 
-def rebuild_from_event_log(path: Path) -> Rebuilt:
+EntrySink = Callable[[dict[str, Any]], None]
+
+
+def rebuild_from_event_log(path: Path,
+                           entries: Callable[[dict[str, Any]], EntrySink] | None = None
+                           ) -> Rebuilt:
     """Rebuild the summary from an event log (all its parts), in flat memory.
 
     A log without a ``session_end`` record (the agent was killed) ends at its
-    last record, with ``end_reason`` ``log_truncated``. Raises EventLogError or
-    InputFileError (both exit 2) for a file that is no event log.
+    last record, with ``end_reason`` ``log_truncated``. ``entries(facts)``, called
+    with the session's facts, returns what gets every iteration_logs entry as it
+    completes (before any thinning). Raises
+    EventLogError or InputFileError (both exit 2) for a file that is no event log.
     """
     try:
         parts = log_parts(path)
     except OSError as err:
         raise InputFileError(f"event log {path}: {err.strerror}") from err
     made: list[tuple[dict[str, Any], Summarizer]] = []
+    sinks: list[EntrySink] = [lambda _entry: None]
 
     def start(first: dict[str, Any]) -> Callable[[dict[str, Any]], object]:
         check_facts(first["session"], str(parts[0]))
         made.append((first["session"], summarizer_for(first["session"])))
-        return made[0][1].feed
+        feed = made[0][1].feed
+        if entries is None:
+            return feed
+        on_entry = sinks[0] = entries(first["session"])
 
-    warnings, tail_cut, last_ns = _replay(parts, start)
+        def sink(record: dict[str, Any]) -> None:
+            for entry in feed(record):
+                on_entry(entry)
+
+        return sink
+
+    warnings, tail_cut, last_ns = replay(parts, start)
     facts, summarizer = made[0]
     if summarizer.end_reason is None:
-        summarizer.feed({"type": "session_end", "t_mono_ns": last_ns, "reason": "log_truncated"})
+        for entry in summarizer.feed({"type": "session_end", "t_mono_ns": last_ns,
+                                      "reason": "log_truncated"}):
+            sinks[0](entry)
     summary = build_summary(facts, summarizer)
     summary["session_info"]["rebuilt_from_event_log"] = True
     summary["session_info"]["event_log_tail_cut"] = tail_cut

@@ -5,6 +5,7 @@ Tested against files captured from real processes in tests/data/.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -144,3 +145,44 @@ def parse_status(text: str) -> ProcStatus:
 def missing_capabilities(effective: int, needed: Iterable[int]) -> list[str]:
     """Names of the needed capabilities absent from an effective set."""
     return [CAPABILITY_NAMES.get(c, f"CAP_{c}") for c in needed if not effective >> c & 1]
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    comm: str
+    state: str
+    ppid: int
+    start_ticks: int  # clock ticks after boot: with the pid, names one process for good
+
+
+def parse_stat(text: str) -> ProcStat:
+    """The fields of /proc/PID/stat the process scan uses; ValueError when malformed.
+
+    ``comm`` sits in parentheses and may itself hold spaces and ")": the fields
+    start after the last ")".
+    """
+    head, sep, rest = text.rpartition(")")
+    _, paren, comm = head.partition("(")
+    fields = rest.split()
+    if not sep or not paren or len(fields) < 20:
+        raise ValueError("not a /proc/PID/stat line")
+    # rest starts at field 3 (state); ppid is field 4, starttime field 22.
+    return ProcStat(comm, fields[0], int(fields[1]), int(fields[19]))
+
+
+# Container runtimes' cgroup names: Docker and containerd (cgroupfs or systemd
+# drivers), CRI-O, Podman. The id is the 64-hex-digit container id.
+_CONTAINER_ID = re.compile(
+    r"(?:docker|cri-containerd|containerd|crio|libpod)[-/:]([0-9a-f]{64})(?:\.scope)?(?:/|$)"
+    r"|/kubepods[^\n]*?/(?:pod[^/]+/)?([0-9a-f]{64})(?:/|$)")
+
+
+def container_id(cgroup_text: str) -> str | None:
+    """The container id of a process from /proc/PID/cgroup, or None (not in a container
+    that a runtime named in its cgroup path)."""
+    for line in cgroup_text.splitlines():
+        path = line.split(":", 2)[-1]
+        match = _CONTAINER_ID.search(path)
+        if match:
+            return match.group(1) or match.group(2)
+    return None

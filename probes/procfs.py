@@ -23,7 +23,9 @@ from perfmon.parsers.events import ProcessSample, Record
 from perfmon.probes.errors import NoSuchProcess, PrivilegeError, UnsuitableTarget
 from perfmon.probes.sampler import Source, monotonic_ns
 
-ENVIRON_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")
+ENVIRON_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES",
+                # Which job a rank belongs to (the node service groups ranks by these).
+                "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 TORCH_LIBRARY_PREFIX = "libtorch_cpu"
 _PYTHON_EXE = re.compile(r"^(python|pypy)[0-9.]*[a-z]*$")
 

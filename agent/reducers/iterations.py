@@ -141,6 +141,15 @@ class IterationClock:
         self.totals.add(it)
         return it
 
+    @property
+    def measured(self) -> int:
+        """Iterations with a step time (all but the partial one at attach)."""
+        return len(self._step_ns)
+
+    def step_times_ns(self, start: int) -> list[int]:
+        """The step times of measured iterations ``start``, ``start + 1``, ... (0-based)."""
+        return self._step_ns[start:].tolist()
+
     def count_at(self, t_ns: int) -> int:
         """Iterations ended at or before ``t_ns`` (among the last 1024 ends)."""
         return self.iterations_ended - sum(1 for t in self._recent_ends if t > t_ns)

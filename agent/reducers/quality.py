@@ -25,6 +25,10 @@ HINTS = {
     "nccl_unknown_dtype_calls": "NCCL calls with an unknown datatype: bytes not counted",
     "attach_failed": "the source could not attach to some rank",
     "reads_failed": "reads of the job's iteration counter failed",
+    "exits_unobserved": "ranks that ended without the kernel's exit status (no process-events "
+                        "connector: see the exits source's warnings)",
+    "log_tails_unread": "ranks whose last output lines could not be read (stdout/stderr not "
+                        "a regular file the job's user may read)",
 }
 
 

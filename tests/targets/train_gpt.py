@@ -98,6 +98,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sgd: plain SGD, whose step takes ~1 ms on a small model")
     p.add_argument("--anonymous-loop", action="store_true",
                    help="keep no integer iteration counter in a local variable")
+    p.add_argument("--ddp", action="store_true",
+                   help="DistributedDataParallel over gloo (under torchrun: RANK, WORLD_SIZE...)")
+    p.add_argument("--exit-code", type=int, default=0, help="exit with this after training")
+    p.add_argument("--slow-ranks", default="",
+                   help="comma-separated ranks whose forward is slowed by --slow-ms ('all')")
+    p.add_argument("--slow-ms", type=float, default=0.0,
+                   help="extra compute time (a busy loop) per micro-batch on the slow ranks")
+    p.add_argument("--slow-from", type=int, default=0, help="... from this iteration")
+    p.add_argument("--slow-until", type=int, default=0, help="... until this one (0: the end)")
     # Flags it does not use are ignored, as launchers often pass more than a
     # script reads (e.g. --config_name, --global-batch-size for the agent to find).
     return p.parse_known_args(argv)[0]
@@ -109,6 +118,21 @@ def apply_hf_config(args: argparse.Namespace) -> None:
     args.num_attention_heads, args.vocab_size = config["n_head"], config["vocab_size"]
 
 
+def busy_wait(seconds: float) -> None:
+    """Burn CPU for ``seconds`` (a slower GPU or CPU, not a sleep: it is compute)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def slowed(args: argparse.Namespace, rank: int, iteration: int) -> bool:
+    if not args.slow_ms or iteration < args.slow_from:
+        return False
+    if args.slow_until and iteration >= args.slow_until:
+        return False
+    return args.slow_ranks == "all" or str(rank) in args.slow_ranks.split(",")
+
+
 def train(args: argparse.Namespace) -> None:
     if args.model_name_or_path:
         apply_hf_config(args)
@@ -118,6 +142,13 @@ def train(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     model = GPT(vocab=args.vocab_size, seq=args.seq_length, layers=args.num_layers,
                 hidden=args.hidden_size, heads=args.num_attention_heads, ffn=ffn).to(device)
+    rank = int(os.environ.get("RANK", "0"))
+    if args.ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group("gloo")
+        model = DistributedDataParallel(model)
     optimizer = (torch.optim.SGD(model.parameters(), lr=1e-3) if args.optimizer == "sgd"
                  else torch.optim.AdamW(model.parameters(), lr=3e-4))
     loader = DataLoader(RandomTokens(args.vocab_size, args.seq_length, args.data_delay_ms),
@@ -134,6 +165,8 @@ def train(args: argparse.Namespace) -> None:
             deliberately_stalled_collective()
         for _ in range(args.grad_accum):
             tokens = next(batches).to(device, non_blocking=True)
+            if slowed(args, rank, iteration):
+                busy_wait(args.slow_ms / 1000)
             logits = model(tokens[:, :-1])
             loss = nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
@@ -153,6 +186,8 @@ def train(args: argparse.Namespace) -> None:
     if args.after_train == "sleep":
         while True:
             time.sleep(3600)
+    if args.exit_code:
+        sys.exit(args.exit_code)
 
 
 def loop(args, model, optimizer, batches, stamps, device) -> None:
