@@ -3,6 +3,9 @@
 #
 #   make demo   install, start the bundled demo training job, attach for ~20 s
 #   make test   install (with test tools), then ruff, mypy and the whole suite
+#   make install    the node service: its own venv in $(PREFIX), the systemd unit,
+#                   an example config in $(SYSCONFDIR) (kept if present)
+#   make uninstall  removes the venv and the unit (config and job data stay)
 
 SHELL := /bin/bash
 VENV ?= .venv
@@ -17,7 +20,13 @@ DEB_PACKAGES := bpfcc-tools python3-bpfcc python3-venv python3-dev gcc make libc
 # Chromium for the HTML report, systemd-analyze for the unit, tmux for `top`.
 TEST_DEB_PACKAGES := prometheus chromium systemd tmux
 
-.PHONY: setup setup-system setup-test-system setup-headers setup-venv demo test lint typecheck clean
+# make install: where the service goes.
+PREFIX ?= /opt/perfmon-agent
+SYSCONFDIR ?= /etc/perfmon-agent
+UNITDIR ?= /etc/systemd/system
+SERVICE_DOCS := docs/service.md docs/prometheus.md docs/security.md docs/requirements.md
+
+.PHONY: setup setup-system setup-test-system setup-headers setup-venv demo test lint typecheck clean install uninstall
 
 setup: setup-system setup-headers setup-venv
 
@@ -94,6 +103,31 @@ test: setup setup-test-system
 	$(PY) -m pip install -q -e ".[demo,test]"
 	$(MAKE) lint typecheck
 	PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1} $(PY) -m pytest -q tests
+
+# The service's own virtualenv (Debian's python3, --system-site-packages for bcc),
+# the package built from this tree, the unit with PREFIX and SYSCONFDIR filled in.
+install: setup-system setup-headers
+	/usr/bin/python3 -m venv --system-site-packages "$(PREFIX)/venv"
+	"$(PREFIX)/venv/bin/python" -m pip install -q --upgrade "pip>=23" "setuptools>=68"
+	"$(PREFIX)/venv/bin/python" -m pip install -q .
+	install -d -m 0755 "$(PREFIX)/share/doc"
+	install -m 0644 $(SERVICE_DOCS) "$(PREFIX)/share/doc/"
+	install -d -m 0755 "$(SYSCONFDIR)" "$(UNITDIR)"
+	@if [ -e "$(SYSCONFDIR)/config.yaml" ]; then echo "kept $(SYSCONFDIR)/config.yaml"; \
+	else install -m 0644 systemd/config.yaml "$(SYSCONFDIR)/config.yaml"; fi
+	sed -e 's|/opt/perfmon-agent|$(PREFIX)|g' -e 's|/etc/perfmon-agent|$(SYSCONFDIR)|g' \
+	  systemd/perfmon-agent.service > "$(UNITDIR)/perfmon-agent.service"
+	chmod 0644 "$(UNITDIR)/perfmon-agent.service"
+	@if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "installed; start it with: systemctl enable --now perfmon-agent"
+
+uninstall:
+	@if [ -d /run/systemd/system ]; then systemctl disable --now perfmon-agent 2>/dev/null || true; fi
+	rm -f "$(UNITDIR)/perfmon-agent.service"
+	rm -rf "$(PREFIX)/venv" "$(PREFIX)/share/doc"
+	-rmdir "$(PREFIX)/share" "$(PREFIX)" 2>/dev/null
+	@if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "removed; kept $(SYSCONFDIR) and /var/lib/perfmon-agent (configuration and job data)"
 
 clean:
 	rm -rf $(VENV) outputs build *.egg-info tests/fakes/build

@@ -13,14 +13,15 @@ from typing import Any
 
 from perfmon.agent.argtypes import (
     OneLineParser,
-    non_negative_float,
     pid,
     positive_float,
-    positive_int,
-    power_of_two,
-    regex,
 )
-from perfmon.agent.budget import DEFAULT_BUDGET_PCT
+from perfmon.agent.attach_args import (
+    add_metrics_argument,
+    add_session_arguments,
+    session_options,
+    start_metrics,
+)
 from perfmon.agent.console import (
     PROG,
     Output,
@@ -28,19 +29,35 @@ from perfmon.agent.console import (
     quiet_broken_pipe,
     warn,
 )
-from perfmon.agent.eventlog import DEFAULT_PART_BYTES
 from perfmon.agent.flops_report import FLOPS_EPILOG, add_flops_arguments, flops_main
 from perfmon.agent.health import HEALTH_DESCRIPTION, add_health_arguments, health_main
+from perfmon.agent.metrics import JobMetrics, Metrics
 from perfmon.agent.outputs import json_bytes, write_user_file
-from perfmon.agent.reducers import DEFAULT_MAX_LOG_ENTRIES
-from perfmon.agent.session import AttachOptions, MonitorSession
+from perfmon.agent.report import (
+    REPORT_DESCRIPTION,
+    REPORT_EPILOG,
+    add_report_arguments,
+    report_main,
+)
+from perfmon.agent.serve import (
+    RUN_EPILOG,
+    SERVE_EPILOG,
+    add_run_arguments,
+    add_serve_arguments,
+    run_main,
+    serve_main,
+)
+from perfmon.agent.session import MonitorSession, SessionContext, SessionObserver, SessionResult
 from perfmon.agent.stacks import add_stacks_arguments, stacks_main
 from perfmon.agent.summary import rebuild_from_event_log
+from perfmon.agent.top import TOP_DESCRIPTION, TOP_EPILOG, add_top_arguments, top_main
+from perfmon.agent.trace import (
+    TRACE_DESCRIPTION,
+    TRACE_EPILOG,
+    add_trace_arguments,
+    trace_main,
+)
 from perfmon.parsers.errors import PerfmonError
-from perfmon.parsers.peak_tflops import DTYPES
-from perfmon.probes.cuda import LAUNCH_MODES
-from perfmon.probes.pyspy import DEFAULT_RATE_HZ
-from perfmon.probes.uprobes import DEFAULT_RING_PAGES
 from rich.console import Console
 from rich.table import Table
 
@@ -77,83 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     attach.add_argument("--pid", type=pid, required=True, help="training (or launcher) pid")
-    attach.add_argument("--model-config", metavar="FILE", help="model dimensions, YAML or JSON")
-    attach.add_argument("--model-preset", metavar="NAME", help="a well-known model shape")
-    attach.add_argument(
-        "--output-dir", type=Path, default=Path("outputs/logs/perf_monitor"),
-        help="where the summary and event log go (default: %(default)s); it must belong to "
-        "root or this user and not be writable by others unless sticky",
-    )
-    attach.add_argument(
-        "--allow-shared-output-dir", action="store_true",
-        help="write into an output dir another user owns or may write (files are still "
-        "created exclusively, never through links)")
-    attach.add_argument(
-        "--max-log-entries", type=positive_int, default=DEFAULT_MAX_LOG_ENTRIES, metavar="N",
-        help="iteration_logs entries kept in the summary; older ones are thinned evenly "
-        "(default: %(default)s)")
-    attach.add_argument(
-        "--event-log-part-mib", type=positive_int, default=DEFAULT_PART_BYTES >> 20,
-        metavar="MIB", help="start a new event log part after this many MiB "
-        "(default: %(default)s)")
-    attach.add_argument(
-        "--log-interval", type=positive_int, default=10, metavar="N",
-        help="iterations per iteration_logs entry (default: %(default)s)",
-    )
+    add_session_arguments(attach)
     attach.add_argument(
         "--duration", type=positive_float, metavar="SECONDS",
         help="stop after this long (default: until the job exits or SIGINT/SIGTERM)",
     )
-    attach.add_argument(
-        "--peak-tflops", type=positive_float, metavar="TFLOPS",
-        help="dense peak per GPU for MFU (default: from the device table; none on CPU)",
-    )
-    attach.add_argument(
-        "--dtype", choices=DTYPES, default="bf16",
-        help="training precision, for the device's peak in MFU (default: %(default)s)",
-    )
-    attach.add_argument(
-        "--health-check", action="store_true",
-        help="check the GPUs first (as `perfmon-agent health`) and record it in session_info",
-    )
-    attach.add_argument(
-        "--iteration-source", choices=("auto", "uprobe", "pyspy"), default="auto",
-        help="uprobe: exact, needs eBPF; pyspy: from stack samples, needs only ptrace; "
-        "auto: uprobe, else pyspy with a warning (default: %(default)s)",
-    )
-    attach.add_argument(
-        "--probe-backend", choices=("auto", "bcc", "tracefs"), default="auto",
-        help="how uprobes are attached: bcc (eBPF; needs bcc and kernel headers), tracefs "
-        "(dynamic uprobe events; no compiler, no headers), auto: bcc, else tracefs with a "
-        "warning (default: %(default)s)")
-    attach.add_argument(
-        "--ring-buffer-pages", type=power_of_two, default=DEFAULT_RING_PAGES, metavar="N",
-        help="the bcc marker probe's ring buffer, a power of two of 4 KiB pages; raise it "
-        "when data_quality reports events_dropped (default: %(default)s)")
-    attach.add_argument("--iteration-function", type=regex, metavar="REGEX",
-                        help="pyspy mode: an iteration starts on entering a function whose "
-                        "name matches (default: torch.optim Optimizer.step)")
-    attach.add_argument("--iteration-variable", metavar="NAME",
-                        help="the job's own iteration counter, a local variable (default: "
-                        "iteration, iter_num, step, global_step)")
-    attach.add_argument("--no-stack-sampling", action="store_true",
-                        help="no py-spy sampling in uprobe mode (no phase breakdown)")
-    attach.add_argument(
-        "--cpu-budget", type=non_negative_float, default=DEFAULT_BUDGET_PCT, metavar="PCT",
-        help="the agent's CPU (py-spy included) per monitored rank, in %% of a core: stacks "
-        "are sampled in bursts to fit; 0 samples them continuously (default: %(default)s)")
-    attach.add_argument(
-        "--cuda-launches", choices=LAUNCH_MODES, default="sampled",
-        help="count kernel launches on one iteration in every N, N adapted to keep the "
-        "cost under 0.5%% of the step time (sampled), on every iteration (always: a "
-        "~11 us trap per launch), or not at all (off) (default: %(default)s)")
-    attach.add_argument("--stack-rate", type=positive_int, default=DEFAULT_RATE_HZ,
-                        metavar="HZ", help="py-spy samples a second (default: %(default)s)")
-    attach.add_argument("--hang-factor", type=positive_float, default=10.0, metavar="K",
-                        help="hung after K x the median step time without an iteration "
-                        "(default: %(default)s) ...")
-    attach.add_argument("--hang-timeout", type=positive_float, default=120.0,
-                        metavar="SECONDS", help="... and at least this long (default: %(default)s)")
+    add_metrics_argument(attach)
     attach.add_argument("--json", action="store_true", help="print the final summary to stdout")
 
     summarize = sub.add_parser(
@@ -186,6 +132,34 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_health_arguments(health)
+
+    serve = sub.add_parser(
+        "serve", help="the node service: find every training job, attach, finalize (systemd)",
+        description="Watch every PyTorch training job on this node: jobs are found by a "
+        "scan of /proc, attached as `attach` does, and finalized when they end; one folder "
+        "per job, Prometheus metrics.",
+        epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(serve)
+
+    run = sub.add_parser(
+        "run", help="start a command and watch every training rank it starts",
+        description="Start COMMAND, watch every training process among its descendants, "
+        "write their summaries when it exits, and exit with its status.",
+        epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(run)
+
+    report = sub.add_parser("report", help="an HTML report (plots) of event logs or summaries",
+                            description=REPORT_DESCRIPTION, epilog=REPORT_EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_report_arguments(report)
+    trace = sub.add_parser("trace", help="write event logs as a Chrome/Perfetto trace",
+                           description=TRACE_DESCRIPTION, epilog=TRACE_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_trace_arguments(trace)
+    top = sub.add_parser("top", help="a live terminal view of the jobs in some folders",
+                         description=TOP_DESCRIPTION, epilog=TOP_EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_top_arguments(top)
 
     stacks = sub.add_parser(
         "stacks", help="dump the Python stacks of a job's ranks (py-spy, non-blocking)",
@@ -240,24 +214,25 @@ def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -
     console.print(f"summary: {path}")
 
 
+class _AttachMetrics(JobMetrics):
+    """The job's metrics, named once the session knows its ranks (as serve names it)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        super().__init__(metrics, "")
+
+    def started(self, facts: dict[str, Any]) -> None:
+        self.job = facts["job"]["name"]
+        super().started(facts)
+
+
 def _attach(args: argparse.Namespace) -> int:
     # With --json, stdout carries only the summary; the progress goes to stderr.
     out = Output(stderr=args.json)
-    options = AttachOptions(
-        pid=args.pid, model_config=args.model_config, model_preset=args.model_preset,
-        output_dir=args.output_dir, log_interval=args.log_interval, duration_s=args.duration,
-        peak_tflops=args.peak_tflops, dtype=args.dtype, health_check=args.health_check,
-        iteration_source=args.iteration_source, probe_backend=args.probe_backend,
-        ring_pages=args.ring_buffer_pages, cpu_budget_pct=args.cpu_budget,
-        cuda_launches=args.cuda_launches,
-        iteration_function=args.iteration_function,
-        iteration_variable=args.iteration_variable, stack_sampling=not args.no_stack_sampling,
-        stack_rate_hz=args.stack_rate, hang_factor=args.hang_factor,
-        hang_timeout_s=args.hang_timeout, allow_shared_output_dir=args.allow_shared_output_dir,
-        max_log_entries=args.max_log_entries,
-        event_log_part_bytes=args.event_log_part_mib << 20,
-    )
-    session = MonitorSession(options, lambda entry: out.print(progress_line(entry)), warn=warn)
+    options = session_options(args, args.pid, duration_s=args.duration)
+    metrics = start_metrics(args.metrics_address)
+    observer = SessionObserver() if metrics is None else _AttachMetrics(metrics)
+    session = MonitorSession(options, lambda entry: out.print(progress_line(entry)), warn=warn,
+                             context=SessionContext(observer=observer))
     out.on_closed = lambda: session.stop("stdout_closed")
     out.print(f"Attaching to pid {args.pid}... Ctrl-C to end.")
     result = session.run()
@@ -288,8 +263,20 @@ def _summarize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    # stdout belongs to COMMAND: the agent's lines and tables go to stderr.
+    out = Output(stderr=True)
+
+    def show(result: SessionResult) -> None:
+        out.table(lambda: print_summary_table(out.console, result.summary,
+                                              result.summary_path))
+
+    return run_main(args, show)
+
+
 COMMANDS = {"attach": _attach, "summarize": _summarize, "flops": flops_main,
-            "health": health_main, "stacks": stacks_main}
+            "health": health_main, "stacks": stacks_main, "serve": serve_main, "run": _run,
+            "report": report_main, "trace": trace_main, "top": top_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from perfmon.agent.reducers.quality import HINTS
+from perfmon.agent.session import SessionObserver
 from perfmon.parsers.errors import PerfmonError
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -54,6 +55,7 @@ __all__ = [
     "GPU_EVENT_TYPES",
     "RANK_VALUE_NAMES",
     "STEP_TIME_BUCKETS_S",
+    "JobMetrics",
     "Metrics",
     "MetricsAddressError",
     "parse_address",
@@ -548,3 +550,30 @@ class Metrics(Collector):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+class JobMetrics(SessionObserver):
+    """A session's figures pushed to ``metrics`` under the job's name (one per session).
+
+    The job's series are replaced when a session (re)starts and removed by the
+    caller once the job ends (``Metrics.job_finished``): between two sessions
+    of one job (an elastic restart) they stay.
+    """
+
+    def __init__(self, metrics: Metrics, job: str) -> None:
+        self.metrics, self.job = metrics, job
+
+    def started(self, facts: dict[str, Any]) -> None:
+        self.metrics.job_started(self.job, str(facts.get("host", self.metrics.host)),
+                                 facts.get("ranks") or [], facts.get("pids"))
+
+    def iterations(self, step_times_s: list[float]) -> None:
+        for step_s in step_times_s:
+            self.metrics.iteration(self.job, step_s)
+
+    def interval(self, entry: dict[str, Any]) -> None:
+        self.metrics.interval(self.job, entry)
+
+    def written(self, summary: dict[str, Any]) -> None:
+        self.metrics.statistics(self.job, summary["final_statistics"],
+                                bool(summary["session_info"].get("hung")))

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -199,6 +200,47 @@ class OutputDir:
             except FileExistsError:
                 continue
         raise OutputDirError(f"output dir {self.path}: every name like {stem}{suffix} is taken")
+
+    def make_subdir(self, stem: str) -> OutputDir:
+        """A new folder ``stem`` (or ``stem_1``... when taken), 0750, held open."""
+        for name in unique_names(stem, ""):
+            try:
+                os.mkdir(name, DIR_MODE, dir_fd=self.fd)
+            except FileExistsError:
+                continue
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=self.fd)
+            return OutputDir(self.path / name, fd)
+        raise OutputDirError(f"output dir {self.path}: every name like {stem} is taken")
+
+    def subdirs(self) -> list[str]:
+        """The names of the folders in it (links and other files left out)."""
+        names = []
+        with os.scandir(self.fd) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    names.append(entry.name)
+        return names
+
+    def read_file(self, name: str, max_bytes: int) -> tuple[bytes, float] | None:
+        """(content, mtime) of a regular file ``name`` (may name a file in a subfolder),
+        at most ``max_bytes``; None when absent, not a regular file, or larger."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=self.fd)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+                return None
+            return os.read(fd, max_bytes), st.st_mtime
+        finally:
+            os.close(fd)
+
+    def remove_subdir(self, name: str) -> None:
+        """Remove a folder and everything in it, never following a link (rmtree by fd)."""
+        shutil.rmtree(name, dir_fd=self.fd)
 
     def unlink(self, name: str) -> None:
         try:

@@ -6,15 +6,11 @@ rules, and the dashboard using only metrics the agent defines."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import socket
 import subprocess
 import time
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +25,8 @@ from perfmon.agent.metrics import (
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.prom import Prometheus, get, tool, wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "docs" / "prometheus" / "rules.yml"
 DASHBOARD = ROOT / "docs" / "prometheus" / "grafana-dashboard.json"
@@ -36,15 +34,6 @@ DOC = ROOT / "docs" / "prometheus.md"
 GIB = 1 << 30
 
 Labels = frozenset[tuple[str, str]]
-
-
-def _tool(name: str) -> str:
-    """Debian's prometheus/promtool binary; a failure (not a skip) when missing."""
-    path = f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} is missing: `make test` installs Debian's prometheus package "
-                    "(TEST_DEB_PACKAGES in the Makefile), which provides prometheus and promtool")
-    return path
 
 
 def exposed(metrics: Metrics) -> dict[tuple[str, Labels], float]:
@@ -301,27 +290,18 @@ def test_calls_are_cheap(metrics: Metrics) -> None:
 
 # -- the HTTP endpoint ------------------------------------------------------------------------
 
-# No proxies: whatever http_proxy says, these requests stay on this host.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _get(url: str) -> str:
-    with _OPENER.open(url, timeout=5) as response:
-        return response.read().decode()
-
-
 @pytest.mark.parametrize("address", ["127.0.0.1:0", "[::1]:0"])
 def test_serve_on_a_free_port_and_close(metrics: Metrics, address: str) -> None:
     feed(metrics)
     host, port = metrics.serve(address)
     assert host == parse_address(address)[0] and port > 0
     url_host = f"[{host}]" if ":" in host else host
-    text = _get(f"http://{url_host}:{port}/metrics")
+    text = get(f"http://{url_host}:{port}/metrics")
     assert 'perfmon_iterations_total{host="node-a",job="llama"} 4.0' in text
     metrics.close()
     metrics.close()  # idempotent
     with pytest.raises(OSError):
-        _get(f"http://{url_host}:{port}/metrics")
+        get(f"http://{url_host}:{port}/metrics")
 
 
 def test_default_address_is_loopback() -> None:
@@ -377,7 +357,7 @@ def defined_names() -> tuple[set[str], set[str]]:
 
 
 def test_promtool_accepts_the_rules() -> None:
-    result = subprocess.run([_tool("promtool"), "check", "rules", str(RULES)],
+    result = subprocess.run([tool("promtool"), "check", "rules", str(RULES)],
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
@@ -426,76 +406,8 @@ def test_every_metric_is_documented() -> None:
 
 # -- a real Prometheus --------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Prometheus:
-    """A Prometheus server of our own (never the Debian service), on 127.0.0.1."""
-
-    def __init__(self, binary: str, folder: Path, targets: list[str]) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = folder / "prometheus.yml"
-        config.write_text(json.dumps({  # YAML is a superset of JSON
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(RULES)],
-            "scrape_configs": [{
-                "job_name": "perfmon", "honor_labels": True, "scrape_timeout": "1s",
-                "static_configs": [{"targets": targets}]}],
-        }))
-        self.log = folder / "prometheus.log"
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [binary, f"--config.file={config}", f"--storage.tsdb.path={folder / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
-                 "--storage.tsdb.retention.time=1h"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=folder)
-
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                pytest.fail(f"prometheus exited ({self.proc.returncode}): "
-                            f"{self.log.read_text()[-2000:]}")
-            try:
-                return _get(f"{self.url}/-/ready").startswith("Prometheus")
-            except OSError:
-                return False
-        wait_until(ready, timeout_s, "prometheus to get ready")
-
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        """The instant vector of an expression (fails on a query error)."""
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        answer = json.loads(_get(url))
-        assert answer["status"] == "success", (promql, answer)
-        result: list[dict[str, Any]] = answer["data"]["result"]
-        return result
-
-    def values(self, promql: str) -> list[float]:
-        return [float(r["value"][1]) for r in self.query(promql)]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.proc.wait(timeout=15)
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.25)
-
-
 def test_real_prometheus_scrapes_the_metrics_and_runs_the_rules(tmp_path: Path) -> None:
-    binary = _tool("prometheus")
+    binary = tool("prometheus")
     metrics = Metrics(host="node-a")
     prometheus: Prometheus | None = None
     try:

@@ -1,0 +1,317 @@
+"""``perfmon-agent serve`` (the node service) and ``perfmon-agent run -- COMMAND`` (a job
+launched and watched): the commands around perfmon.agent.service.JobTracker.
+
+serve: scans the node every ``scan_interval_s``, one folder per job under
+``jobs_root/<host>/``, Prometheus metrics, systemd's notify protocol (READY,
+WATCHDOG, RELOADING, STOPPING, STATUS); SIGHUP reloads the config, SIGTERM or
+SIGINT finalizes every job's summary and exits within 10 s.
+
+run: starts COMMAND in a process group of its own (the terminal's foreground
+group, so Ctrl-C reaches the job, not the agent), as the invoking user, and
+watches every training rank among its descendants from when it loads PyTorch;
+SIGINT/SIGTERM/SIGHUP sent to the agent go to COMMAND's group first. When
+COMMAND exits the sessions end, their summaries are written, and the agent
+exits with COMMAND's status (128+N for signal N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pwd
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from perfmon.agent.attach_args import (
+    add_metrics_argument,
+    add_session_arguments,
+    session_options,
+    start_metrics,
+)
+from perfmon.agent.config import DEFAULT_CONFIG_PATH, ServiceConfig, load_config
+from perfmon.agent.console import PROG, printable, warn
+from perfmon.agent.metrics import DEFAULT_ADDRESS, Metrics
+from perfmon.agent.notify import Notifier
+from perfmon.agent.outputs import OutputDir
+from perfmon.agent.service import JobTracker
+from perfmon.agent.session import AttachOptions
+from perfmon.parsers.errors import PerfmonError
+
+STOP_TIMEOUT_S = 9.0  # systemd's TimeoutStopSec is 15 s; the issue's bound is 10 s
+SLICE_S = 0.25  # the loops wake this often to see signals and the watchdog
+RUN_SCAN_INTERVAL_S = 0.5  # run: a rank is attached within this of loading PyTorch
+RUN_STOP_TIMEOUT_S = 60.0
+
+
+class RunCommandError(PerfmonError):
+    """COMMAND could not be started (exit 127 when not found, 126 when not executable, as
+    shells do), or ``run`` was called without one (2)."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def log(line: str) -> None:
+    """One line of the service's log (journald adds the time)."""
+    print(f"{PROG}: {printable(line)}", file=sys.stderr, flush=True)
+
+
+def _agent_figures(metrics: Metrics | None, jobs: int) -> None:
+    if metrics is None:
+        return
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open("/proc/self/statm") as f:
+        resident_bytes = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    metrics.agent(usage.ru_utime + usage.ru_stime + children.ru_utime + children.ru_stime,
+                  resident_bytes, jobs)
+
+
+# -- serve -----------------------------------------------------------------------------
+
+SERVE_EPILOG = f"""examples:
+  sudo perfmon-agent serve
+  sudo perfmon-agent serve --config /etc/perfmon-agent/config.yaml --metrics-address 10.0.0.5:9464
+
+Runs until SIGTERM/SIGINT (every job's summary is finalized first); SIGHUP reloads
+the config. Under systemd (Type=notify) it reports READY, pings the watchdog and
+says what it watches in `systemctl status`. Default config: {DEFAULT_CONFIG_PATH}
+(optional); see docs/service.md.
+"""
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, metavar="FILE",
+                        help="YAML configuration (default: %(default)s, when it exists)")
+    parser.add_argument("--jobs-root", type=Path, metavar="DIR",
+                        help="one folder per job under DIR/<host>/ (default: the config's "
+                        "jobs_root, else /var/lib/perfmon-agent/jobs)")
+    parser.add_argument("--metrics-address", metavar="HOST:PORT",
+                        help=f"serve Prometheus metrics there (default: the config's "
+                        f"metrics_address, else {DEFAULT_ADDRESS}: this host only); 'off': none")
+
+
+def _attach_options(config: ServiceConfig, output_dir: Path) -> AttachOptions:
+    known = {f.name for f in fields(AttachOptions)}
+    chosen = {k: v for k, v in config.attach.items() if k in known}
+    return AttachOptions(pid=0, output_dir=output_dir, **chosen)
+
+
+class _Flags:
+    """What the signal handlers ask of the main loop."""
+
+    def __init__(self) -> None:
+        self.stop: str | None = None
+        self.reload = False
+
+    def on_stop(self, signum: int, _frame: Any) -> None:
+        self.stop = signal.Signals(signum).name
+
+    def on_reload(self, _signum: int, _frame: Any) -> None:
+        self.reload = True
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    jobs_root = args.jobs_root or config.jobs_root
+    address = args.metrics_address or config.metrics_address or DEFAULT_ADDRESS
+    flags = _Flags()
+    signal.signal(signal.SIGTERM, flags.on_stop)
+    signal.signal(signal.SIGINT, flags.on_stop)
+    signal.signal(signal.SIGHUP, flags.on_reload)
+    metrics = start_metrics(address) if address != "off" else None
+    notifier = Notifier()
+    try:
+        tracker = JobTracker(options=_attach_options(config, jobs_root), config=config,
+                             log=log, metrics=metrics, jobs_root=jobs_root)
+        log(f"serving: scanning every {config.scan_interval_s:g} s, jobs under "
+            f"{tracker.host_folder.path if tracker.host_folder else jobs_root}, metrics "
+            f"{'off' if metrics is None else address}")
+        notifier.ready("scanning for training jobs")
+        next_scan = 0.0
+        status = ""
+        while flags.stop is None:
+            now = time.monotonic()
+            if flags.reload:
+                flags.reload = False
+                notifier.reloading()
+                config = _reload(args.config, config, tracker)
+                notifier.ready("configuration reloaded")
+            if now >= next_scan:
+                next_scan = now + config.scan_interval_s
+                tracker.tick(now)
+                _agent_figures(metrics, tracker.running)
+                text = f"watching {tracker.running} job(s)"
+                if text != status:
+                    status = text
+                    notifier.status(text)
+            notifier.watchdog(now)
+            time.sleep(SLICE_S)
+        log(f"stopping ({flags.stop}): finalizing {tracker.running} job(s)")
+        notifier.stopping()
+        tracker.stop(flags.stop, STOP_TIMEOUT_S)
+    finally:
+        notifier.close()
+        if metrics is not None:
+            metrics.close()
+    return 0
+
+
+def _reload(path: Path, current: ServiceConfig, tracker: JobTracker) -> ServiceConfig:
+    """The new config (SIGHUP), or the current one when the file is unfit (one line)."""
+    try:
+        new = load_config(path)
+    except PerfmonError as err:
+        log(f"reload failed, configuration unchanged: {err}")
+        return current
+    tracker.reconfigure(new)
+    tracker.options = _attach_options(new, tracker.options.output_dir)
+    for key in ("jobs_root", "metrics_address"):
+        if getattr(new, key) != getattr(current, key):
+            log(f"configuration reloaded; {key} changes at the next restart")
+    log("configuration reloaded")
+    return new
+
+
+# -- run -------------------------------------------------------------------------------
+
+RUN_EPILOG = """examples:
+  sudo perfmon-agent run -- bash outputs/llama/logs/scripts/host_0_localhost_run.sh
+  sudo perfmon-agent run --model-config llama7b.yaml -- torchrun --nproc-per-node 8 train.py
+  sudo perfmon-agent run --user alice -- python train.py
+
+COMMAND runs as the invoking user (sudo's SUDO_UID), or --user, never as root
+unless root started it; the agent's lines go to stderr, COMMAND's output is its
+own. The exit status is COMMAND's (128+N when signal N ended it).
+"""
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    add_session_arguments(parser)
+    add_metrics_argument(parser)
+    parser.add_argument("--user", metavar="USER",
+                        help="run COMMAND as this user (root only; default: the invoking "
+                        "user, from sudo's SUDO_UID/SUDO_GID, else this user)")
+    parser.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help="the job's command line")
+
+
+def _credentials(user: str | None) -> dict[str, Any]:
+    """Popen's user/group/extra_groups and the environment changes for COMMAND's user."""
+    if user is None and os.geteuid() == 0 and os.environ.get("SUDO_UID", "").isdigit():
+        user = os.environ["SUDO_UID"]
+    if user is None:
+        return {}
+    if os.geteuid() != 0:
+        raise RunCommandError(f"--user {user}: only root can run COMMAND as another user")
+    try:
+        entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    except (KeyError, OverflowError):
+        raise RunCommandError(f"--user {user}: no such user") from None
+    groups = os.getgrouplist(entry.pw_name, entry.pw_gid)
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": groups,
+            "env": {**os.environ, "HOME": entry.pw_dir, "USER": entry.pw_name,
+                    "LOGNAME": entry.pw_name}}
+
+
+class _Foreground:
+    """Make COMMAND's process group the terminal's foreground (as a shell does), so that
+    Ctrl-C reaches the job; restored at the end."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        try:
+            if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp():
+                self.fd = 0
+        except OSError:
+            self.fd = None
+
+    def _set(self, pgid: int) -> None:
+        if self.fd is None:
+            return
+        previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        try:
+            os.tcsetpgrp(self.fd, pgid)
+        except OSError:
+            pass
+        finally:
+            signal.signal(signal.SIGTTOU, previous)
+
+    def give(self, pgid: int) -> None:
+        self._set(pgid)
+
+    def take_back(self) -> None:
+        self._set(os.getpgrp())
+
+
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_main(args: argparse.Namespace, summary_printer: Callable[[Any], None]) -> int:
+    command = args.job_command[1:] if args.job_command[:1] == ["--"] else args.job_command
+    if not command:
+        raise RunCommandError("run: no COMMAND given (perfmon-agent run [options] -- COMMAND)")
+    options = session_options(args, 0)
+    # Checked before COMMAND starts: an unfit output dir is an error, not a lost run.
+    OutputDir.open(options.output_dir, allow_shared=options.allow_shared_output_dir).close()
+    credentials = _credentials(args.user)
+    metrics = start_metrics(args.metrics_address)
+    foreground = _Foreground()
+    try:
+        child = subprocess.Popen(command, process_group=0, **credentials)
+    except FileNotFoundError:
+        raise RunCommandError(f"run: {command[0]}: command not found", 127) from None
+    except PermissionError:
+        raise RunCommandError(f"run: {command[0]}: permission denied", 126) from None
+    except OSError as err:
+        raise RunCommandError(f"run: {command[0]}: {err.strerror}", 126) from None
+    foreground.give(child.pid)
+
+    def forward(signum: int, _frame: Any) -> None:
+        try:
+            os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    handlers = {s: signal.signal(s, forward)
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    config = ServiceConfig(scan_interval_s=RUN_SCAN_INTERVAL_S, rank_wait_s=5.0,
+                           max_jobs=64, cpu_budget_pct=1e4,
+                           cpu_budget_per_rank_pct=options.cpu_budget_pct or 1e4,
+                           retry_initial_s=5.0, retry_max_s=60.0)
+    tracker = JobTracker(options=options, config=config, log=log, metrics=metrics,
+                         scope_pid=child.pid)
+    try:
+        while child.poll() is None:
+            tracker.tick(time.monotonic())
+            _agent_figures(metrics, tracker.running)
+            time.sleep(RUN_SCAN_INTERVAL_S)
+        tracker.stop("command_exited", RUN_STOP_TIMEOUT_S)
+    finally:
+        foreground.take_back()
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if child.poll() is None:  # the agent itself failed: COMMAND is not left behind
+            forward(signal.SIGTERM, None)
+            child.wait()
+        if metrics is not None:
+            metrics.close()
+    if not tracker.results:
+        warn("no training process was watched: none with PyTorch loaded among COMMAND's "
+             "processes, or none could be attached (see above)")
+    for result in tracker.results:
+        summary_printer(result)
+    return _exit_status(child.returncode)
+
+
+__all__ = ["add_run_arguments", "add_serve_arguments", "run_main",
+           "serve_main"]
