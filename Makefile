@@ -1,7 +1,8 @@
 # Set-up, demo and tests. Everything here runs as root on a fresh Debian 12
 # machine and is safe to re-run.
 #
-#   make demo   install, start the bundled demo training job, attach for ~20 s
+#   make demo   install, start the bundled demo training job, attach for ~20 s,
+#               then write the HTML report and say where it is
 #   make test   install (with test tools), then ruff, mypy and the whole suite
 #   make install    the node service: its own venv in $(PREFIX), the systemd unit,
 #                   an example config in $(SYSCONFDIR) (kept if present)
@@ -82,7 +83,10 @@ demo: setup
 	echo "demo training job: pid $$train (model dimensions from its command line, batch from $(DEMO_OUT)/model.yaml)"; \
 	$(VENV)/bin/perfmon-agent attach --pid $$train --model-config $(DEMO_OUT)/model.yaml \
 	  --duration $(DEMO_SECONDS) --log-interval 25 --output-dir $(DEMO_OUT); rc=$$?; \
-	kill $$train 2>/dev/null; wait $$train 2>/dev/null; exit $$rc
+	kill $$train 2>/dev/null; wait $$train 2>/dev/null; [ $$rc -eq 0 ] || exit $$rc; \
+	log=$$(ls -t $(DEMO_OUT)/perf_events_*.msgpack | head -1); \
+	$(VENV)/bin/perfmon-agent report $$log -o $(DEMO_OUT)/report.html && \
+	echo "open $$(realpath $(DEMO_OUT)/report.html) in a browser (self-contained, works offline)"
 
 lint:
 	$(VENV)/bin/ruff check .
