@@ -276,8 +276,8 @@ class MonitorSession:
             return live
 
     def _begin(self, out: OutputDir, targets: list[TargetProcess], sources: list[Source],
-               start: tuple[int, datetime], *, stacks: StackSource | None, workload: Workload, facts_extra: dict[str, Any],
-               dumps: BackgroundCalls) -> _Live:
+               start: tuple[int, datetime], *, stacks: StackSource | None,
+               workload: Workload, facts_extra: dict[str, Any], dumps: BackgroundCalls) -> _Live:
         """Start the window: the facts, the summarizer, the files and the session_start."""
         opts = self.options
         primary = targets[0]
