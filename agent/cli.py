@@ -31,6 +31,7 @@ from perfmon.agent.console import (
 )
 from perfmon.agent.flops_report import FLOPS_EPILOG, add_flops_arguments, flops_main
 from perfmon.agent.health import HEALTH_DESCRIPTION, add_health_arguments, health_main
+from perfmon.agent.merge import MERGE_DESCRIPTION, MERGE_EPILOG, add_merge_arguments, merge_main
 from perfmon.agent.metrics import JobMetrics, Metrics
 from perfmon.agent.outputs import json_bytes, write_user_file
 from perfmon.agent.report import (
@@ -156,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                            description=TRACE_DESCRIPTION, epilog=TRACE_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trace_arguments(trace)
+    merge = sub.add_parser("merge", help="one job summary from the summaries of several nodes",
+                           description=MERGE_DESCRIPTION, epilog=MERGE_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_merge_arguments(merge)
     top = sub.add_parser("top", help="a live terminal view of the jobs in some folders",
                          description=TOP_DESCRIPTION, epilog=TOP_EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -276,7 +281,7 @@ def _run(args: argparse.Namespace) -> int:
 
 COMMANDS = {"attach": _attach, "summarize": _summarize, "flops": flops_main,
             "health": health_main, "stacks": stacks_main, "serve": serve_main, "run": _run,
-            "report": report_main, "trace": trace_main, "top": top_main}
+            "report": report_main, "trace": trace_main, "top": top_main, "merge": merge_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -573,6 +573,13 @@ class JobMetrics(SessionObserver):
 
     def interval(self, entry: dict[str, Any]) -> None:
         self.metrics.interval(self.job, entry)
+        # Sessions of several ranks: each rank's compute, wait and straggler flag.
+        for rank in entry.get("ranks") or []:
+            compute, wait = rank.get("avg_compute_ms"), rank.get("avg_wait_ms")
+            self.metrics.rank_values(self.job, rank.get("rank"), rank["pid"], {
+                "compute_seconds": compute / 1e3 if compute is not None else None,
+                "wait_seconds": wait / 1e3 if wait is not None else None,
+                "straggler": 1.0 if rank.get("straggler") else 0.0})
 
     def written(self, summary: dict[str, Any]) -> None:
         self.metrics.statistics(self.job, summary["final_statistics"],

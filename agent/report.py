@@ -488,7 +488,8 @@ def _wall_to_mono(run: Run, iso: str | None) -> int | None:
 
 
 def _mark_events(ax: Axes, run: Run, axis: _Axis) -> None:
-    """Hangs (shaded, until their recovery), GPU events (lines), throttling (ticks on top)."""
+    """Hangs (shaded, until their recovery), GPU events (lines), fail-slow and recovery
+    (dashed lines), stragglers (shaded), throttling (ticks on top)."""
     end_ns = run.info.get("detach_monotonic_ns") or (
         run.series.points[-1].end_ns if run.series.points else run.attach_ns)
     for i, hang in enumerate(run.stats.get("hangs") or []):
@@ -510,6 +511,21 @@ def _mark_events(ax: Axes, run: Run, axis: _Axis) -> None:
         ax.annotate(f"GPU {event.get('gpu_index', '?')}: {detail}",
                     (axis.x(event["t_mono_ns"]), 0.98), xycoords=ax.get_xaxis_transform(),
                     rotation=90, va="top", ha="right", fontsize=7, color="#7f3fbf")
+    for event in run.stats.get("fail_slow") or []:
+        if not isinstance(event, dict) or not isinstance(event.get("t_mono_ns"), int):
+            continue
+        slow = event.get("event") == "fail_slow"
+        ax.axvline(axis.x(event["t_mono_ns"]), color="#8c564b" if slow else "#2ca02c", lw=1,
+                   ls="--", label=("fail-slow" if slow else "recovered")
+                   if ("fail-slow" if slow else "recovered") not in labelled else None)
+        labelled.add("fail-slow" if slow else "recovered")
+    for event in run.stats.get("stragglers") or []:
+        if isinstance(event, dict) and isinstance(event.get("since_mono_ns"), int):
+            until = event.get("until_mono_ns") or end_ns
+            ax.axvspan(axis.x(event["since_mono_ns"]), axis.x(until), color="#bcbd22",
+                       alpha=0.15, lw=0,
+                       label="straggler" if "straggler" not in labelled else None)
+            labelled.add("straggler")
     throttled = [axis.x(p.end_ns) for p in run.series.points if p.throttle]
     if throttled:
         ax.plot(throttled, [0.99] * len(throttled), transform=ax.get_xaxis_transform(),
@@ -841,12 +857,19 @@ def _rank_rows(run: Run) -> tuple[list[str], list[list[str]]]:
     if isinstance(stragglers, list):
         for item in stragglers:
             if isinstance(item, dict) and isinstance(item.get("pid"), int):
-                detail = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                                   for k, v in item.items() if k not in ("pid", "rank"))
-                flagged[item["pid"]] = detail or "straggler"
+                delay = item.get("delay_ms_per_step")
+                detail = (f"+{delay:.1f} ms/step" if isinstance(delay, int | float)
+                          else "straggler")
+                if item.get("since"):
+                    detail += f" from {str(item['since'])[11:19]}"
+                if item.get("until"):
+                    detail += f" to {str(item['until'])[11:19]}"
+                previous = flagged.get(item["pid"])
+                flagged[item["pid"]] = f"{previous}; {detail}" if previous else detail
             elif isinstance(item, int):
                 flagged[item] = "straggler"
-    header = ["rank", "pid", "role", "peak resident (GiB)", "peak GPU memory (GiB)", "GPUs"]
+    header = ["rank", "pid", "role", "step (ms)", "wait (ms)", "compute (ms)",
+              "peak resident (GiB)", "peak GPU memory (GiB)", "GPUs"]
     if isinstance(stragglers, list):
         header.append("straggler")
     rows = []
@@ -857,6 +880,8 @@ def _rank_rows(run: Run) -> tuple[list[str], list[list[str]]]:
         peaks = by_pid.get(pid, {})
         row = [_fmt(run.rank_of(pid), "d"), str(pid),
                "primary" if pid == run.info.get("primary_pid") else "",
+               _fmt(peaks.get("avg_step_time_ms"), ".1f"), _fmt(peaks.get("avg_wait_ms"), ".1f"),
+               _fmt(peaks.get("avg_compute_ms"), ".1f"),
                _fmt(peaks.get("peak_rss_gb"), ".2f"), _fmt(peaks.get("peak_gpu_memory_gb"), ".2f"),
                ", ".join(str(g) for g in peaks.get("gpu_indices") or []) or "-"]
         if isinstance(stragglers, list):

@@ -37,7 +37,7 @@ from perfmon.agent.sources import (
     open_stack_source,
     started,
 )
-from perfmon.agent.summary import SummaryFile, build_summary
+from perfmon.agent.summary import SummaryFile, build_summary, describe_event, rank_map
 from perfmon.parsers.events import (
     SCHEMA_VERSION,
     Hang,
@@ -310,7 +310,7 @@ class MonitorSession:
             workload, primary.pid, start_ns, start_wall.timestamp(), opts.log_interval,
             stack_sampling=stacks is not None, cuda_counters=facts["cuda"]["available"],
             phases_continuous=facts["stack_sampling_mode"] != "bursts",
-            max_log_entries=opts.max_log_entries)
+            max_log_entries=opts.max_log_entries, ranks=rank_map(facts))
         summary_file, log = self._claim_files(
             out, start_wall.strftime("%Y%m%d_%H%M%S"), facts, summarizer)
         facts["event_log"] = log.name
@@ -341,7 +341,10 @@ class MonitorSession:
                 now = monotonic_ns()
                 if self._check_hang(live, now):
                     completed = True
-                live.budget.update(now, self._hang_suspected(live, now))
+                # Continuous stack samples while a hang is suspected, and after a
+                # fail-slow event until samples show which phase moved.
+                live.budget.update(now, self._hang_suspected(live, now)
+                                   or live.summarizer.failslow.wants_samples(now))
                 if (completed and now >= next_write) or now >= next_refresh:
                     self._write(live)
                     spent = SUMMARY_WRITE_BUDGET * (monotonic_ns() - now)
@@ -396,6 +399,8 @@ class MonitorSession:
         completed = False
         for record in records:
             completed |= self._log(live, record)
+        for event in live.summarizer.take_events():
+            self.warn(describe_event(event))
         clock = live.summarizer.clock
         if clock.measured > self._measured:
             self.context.observer.iterations(

@@ -115,7 +115,14 @@ def summarizer_for(facts: dict[str, Any]) -> Summarizer:
         phases_continuous=facts.get("stack_sampling_mode") != "bursts",
         cuda_counters=facts.get("cuda", {}).get("available", False),
         max_log_entries=facts.get("iteration_logs_max_entries"),
+        ranks=rank_map(facts),
     )
+
+
+def rank_map(facts: dict[str, Any]) -> dict[int, int | None]:
+    """pid -> rank of the session's targets (from session_info's pids and ranks)."""
+    pids, ranks = facts.get("pids") or [facts["primary_pid"]], facts.get("ranks") or []
+    return {pid: ranks[i] if i < len(ranks) else None for i, pid in enumerate(pids)}
 
 
 _PART = re.compile(r"^(?P<stem>.+?)(?:\.part(?P<part>\d+))?\.msgpack$")
@@ -231,3 +238,23 @@ def rebuild_from_event_log(path: Path,
     summary["session_info"]["event_log_tail_cut"] = tail_cut
     summary["session_info"]["event_log_parts"] = len(parts)
     return Rebuilt(summary, parts, warnings)
+
+
+def describe_event(event: dict[str, Any]) -> str:
+    """One line for a straggler or fail-slow event (the live output)."""
+    def who(e: dict[str, Any]) -> str:
+        return f"rank {e['rank']} (pid {e['pid']})" if e.get("rank") is not None else (
+            f"pid {e['pid']}")
+
+    kind = event["event"]
+    if kind == "straggler":
+        return (f"straggler: {who(event)} since {event['since']}: computes "
+                f"{event['compute_ms']:.1f} ms per step against {event['others_compute_ms']:.1f}"
+                f" ms on the others, delaying the job ~{event['delay_ms_per_step']:.1f} ms a step")
+    if kind == "straggler_ended":
+        return f"straggler: {who(event)} no longer lags (since {event['until']})"
+    moved = [who(r) for r in event.get("ranks") or [] if r.get("moved")]
+    what = "fail-slow" if kind == "fail_slow" else "recovered"
+    return (f"{what}: step time {event['before_step_time_ms']:.1f} -> "
+            f"{event['after_step_time_ms']:.1f} ms ({event['change_pct']:+.0f}%) since "
+            f"{event['timestamp']}" + (f"; compute moved on {', '.join(moved)}" if moved else ""))

@@ -223,6 +223,7 @@ def _stragglers(job: Job) -> tuple[list[Any] | None, set[int], set[int]]:
     if not isinstance(items, list):
         return None, set(), set()
     pids, ranks = set(), set()
+    items = [i for i in items if not (isinstance(i, dict) and i.get("until"))]  # still open
     for item in items:
         if isinstance(item, dict):
             if isinstance(item.get("pid"), int):
@@ -328,7 +329,7 @@ def _job_rows(job: Job, now_s: float, blocks: str, spark: int
         phase_bar(_latest_phases(job)),
         Text(" ").join(flags) if flags else "",
     ])]
-    if len(pids) <= 1 and stragglers is None:
+    if len(pids) <= 1 and not stragglers:
         return rows
     peaks = {r.get("pid"): r for r in stats.get("ranks") or [] if isinstance(r, dict)}
     for i, pid in enumerate(pids):

@@ -33,6 +33,8 @@ MARKER_KINDS = (
     "dataloader_next",
     "backward_enter",
     "backward_exit",
+    "wait_enter",
+    "wait_exit",
 )
 
 
@@ -102,12 +104,16 @@ class Phase(Record):
 
 @dataclass(frozen=True)
 class ProcessSample(Record):
-    """Resident memory of one rank; ``peak_rss_bytes`` its lifetime peak (VmHWM)."""
+    """Resident memory of one rank; ``peak_rss_bytes`` its lifetime peak (VmHWM);
+    ``cpu_ns`` and ``run_delay_ns`` its threads' CPU time and time spent runnable but
+    waiting for a CPU (/proc/PID/schedstat, cumulative; None where unavailable)."""
 
     TYPE: ClassVar[str] = "process"
     pid: int
     rss_bytes: int
     peak_rss_bytes: int | None
+    cpu_ns: int | None = None
+    run_delay_ns: int | None = None
 
 
 @dataclass(frozen=True)

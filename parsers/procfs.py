@@ -113,6 +113,15 @@ class ProcStatus:
     state: str = ""  # "R (running)", "Z (zombie)", ...
 
 
+def parse_schedstat(text: str) -> tuple[int, int] | None:
+    """(CPU time ns, run-queue wait ns) from /proc/PID/schedstat (three integers:
+    time on a CPU, time runnable waiting for one, timeslices); None when malformed."""
+    fields = text.split()
+    if len(fields) < 2 or not all(f.isdigit() for f in fields[:2]):
+        return None
+    return int(fields[0]), int(fields[1])
+
+
 def parse_status(text: str) -> ProcStatus:
     """The few fields of /proc/PID/status the agent uses."""
     fields = {}

@@ -432,7 +432,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             return None, []
         self._libraries.append(library)
         try:
-            record, _engine = find_torch_symbols(target, library)
+            record, *_ = find_torch_symbols(target, library)
         except SymbolNotFound as err:
             self.warnings.append(f"{err}: no counter snapshots at Optimizer.step")
             return None, []

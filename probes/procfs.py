@@ -64,7 +64,8 @@ class TargetProcess:
 # Upper bounds on what is read from a target's /proc files: a job controls the
 # size of its argv and environment (up to a quarter of its stack limit, which
 # may be unlimited) and, within vm.max_map_count, of its maps.
-_READ_LIMITS = {"cmdline": 1 << 20, "environ": 4 << 20, "maps": 64 << 20, "status": 64 << 10}
+_READ_LIMITS = {"cmdline": 1 << 20, "environ": 4 << 20, "maps": 64 << 20, "status": 64 << 10,
+                "schedstat": 256}
 # What of a command line is kept in the summary (each argument, and in all).
 CMDLINE_ARG_CHARS = 4096
 CMDLINE_TOTAL_CHARS = 65536
@@ -241,8 +242,17 @@ class MemorySource(Source):
             except OSError:
                 self.errors += 1
                 continue
+            # CPU time and run-queue wait: a rank starved of CPU (a noisy neighbour)
+            # shows here; the kernel may lack schedstats (None then).
+            try:
+                with open(f"/proc/{pid}/schedstat", "rb") as f:
+                    sched = procfs.parse_schedstat(
+                        f.read(_READ_LIMITS["schedstat"]).decode("ascii", "replace"))
+            except OSError:
+                sched = None
             if status.rss_bytes is not None:
-                samples.append(ProcessSample(now, pid, status.rss_bytes, status.peak_rss_bytes))
+                samples.append(ProcessSample(now, pid, status.rss_bytes, status.peak_rss_bytes,
+                                             *(sched or (None, None))))
         self.samples += len(samples)
         return samples
 

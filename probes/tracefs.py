@@ -5,7 +5,8 @@ Measures: exactly what :class:`perfmon.probes.uprobes.MarkerProbe` measures, as 
 ``Optimizer.zero_grad`` and DataLoader ``__next__`` entry (the C++ entry point of
 PyTorch's ``record_function``, whose name is read in the trap) and of every
 ``torch::autograd::Engine::execute`` entry and return (``backward_enter`` /
-``backward_exit``). The probes are dynamic uprobe events written to tracefs'
+``backward_exit``) and of the c10d collective waits (``wait_enter`` / ``wait_exit``).
+The probes are dynamic uprobe events written to tracefs'
 ``uprobe_events`` and enabled only in a private tracefs instance whose
 ``trace_clock`` is ``mono``; ``poll()`` reads that instance's ``trace_pipe``
 without blocking. Timestamps are the kernel's, taken at the trap (the clock
@@ -72,6 +73,7 @@ from perfmon.probes.files import MappedLibrary
 from perfmon.probes.procfs import TargetProcess, agent_capabilities
 from perfmon.probes.sampler import Source
 from perfmon.probes.uprobes import (
+    COLLECTIVE_WAIT_SYMBOLS,
     DEFAULT_STEP_KINDS,
     ENGINE_EXECUTE_SYMBOL,
     RECORD_FUNCTION_SYMBOLS,
@@ -119,7 +121,7 @@ _RECORD_FUNCTION = "record_function"  # an rf_enter event: classified by its nam
 _LOSS_COUNTERS = ("overrun", "commit overrun", "dropped events")
 # Event numbers: unique within the agent, so that several probes in one agent
 # (same group) never define the same event name.
-_EVENT_NUMBERS = {"rf": itertools.count(), "bw": itertools.count()}
+_EVENT_NUMBERS = {"rf": itertools.count(), "bw": itertools.count(), "wait": itertools.count()}
 
 
 def _agent() -> str:
@@ -549,16 +551,18 @@ def _remove_event(root: str, group: str, event: str) -> str | None:
 
 # --- the probe ----------------------------------------------------------------
 
-def probe_offsets(target: TargetProcess, library: MappedLibrary) -> tuple[list[int], list[int]]:
-    """File offsets of (record_function entry points, Engine::execute) in the target's
-    libtorch_cpu, as uprobe_events wants them.
+def probe_offsets(target: TargetProcess, library: MappedLibrary
+                  ) -> tuple[list[int], list[int], list[int]]:
+    """File offsets of (record_function entry points, Engine::execute, collective waits)
+    in the target's libtorch_cpu, as uprobe_events wants them.
 
     Raises SymbolNotFound when the library cannot be read or has no record_function
-    entry point; Engine::execute may be absent ([]).
+    entry point; the others may be absent ([]).
     """
     try:
         with mmap.mmap(library.fd, 0, prot=mmap.PROT_READ) as buf:
-            found = find_function_symbols(buf, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL))
+            found = find_function_symbols(
+                buf, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, *COLLECTIVE_WAIT_SYMBOLS))
             segments = load_segments(buf)
         record: list[ElfSymbol] = next(
             (found[p] for p in RECORD_FUNCTION_SYMBOLS if found[p]), [])
@@ -569,7 +573,9 @@ def probe_offsets(target: TargetProcess, library: MappedLibrary) -> tuple[list[i
                 "(a PyTorch older than 1.8, or a build with hidden symbols)"
             )
         return ([file_offset(segments, s.address) for s in record],
-                [file_offset(segments, s.address) for s in found[ENGINE_EXECUTE_SYMBOL]])
+                [file_offset(segments, s.address) for s in found[ENGINE_EXECUTE_SYMBOL]],
+                [file_offset(segments, s.address)
+                 for p in COLLECTIVE_WAIT_SYMBOLS for s in found[p]])
     except (OSError, ValueError, ElfError) as err:
         raise SymbolNotFound(
             f"pid {target.pid} ({target.name}): cannot read symbols of {target.torch_library}: "
@@ -631,8 +637,8 @@ class TracefsMarkerProbe(Source):
             points = self._open_libraries()
             self._make_instance()
             self._follow_targets()
-            for library, target, record, engine in points:
-                self._define(library, target, record, engine)
+            for library, target, record, engine, wait in points:
+                self._define(library, target, record, engine, wait)
             self._enable()
             self._pipe = os.open(os.path.join(self._instance, "trace_pipe"),
                                  os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -640,11 +646,13 @@ class TracefsMarkerProbe(Source):
             self._close()
             raise
 
-    def _open_libraries(self) -> list[tuple[MappedLibrary, TargetProcess, list[int], list[int]]]:
+    def _open_libraries(self) -> list[tuple[MappedLibrary, TargetProcess, list[int],
+                                            list[int], list[int]]]:
         """Each target's libtorch_cpu held open, and the probe offsets of each distinct
         file: targets that mapped the same inode share its events (a tracefs uprobe
         fires in every process mapping it, so one event per file, not per target)."""
-        points: dict[tuple[int, int], tuple[MappedLibrary, TargetProcess, list[int], list[int]]]
+        points: dict[tuple[int, int],
+                     tuple[MappedLibrary, TargetProcess, list[int], list[int], list[int]]]
         points = {}
         for target in self.targets:
             library = open_torch_library(target)
@@ -712,7 +720,7 @@ class TracefsMarkerProbe(Source):
             written |= tids
 
     def _define(self, library: MappedLibrary, target: TargetProcess,
-                record: list[int], engine: list[int]) -> None:
+                record: list[int], engine: list[int], wait: list[int]) -> None:
         # /proc/self/fd/N names the very inode the job mapped: the kernel resolves
         # the path during our write, in the agent's context, and keeps the inode.
         path = library.probe_path
@@ -727,6 +735,12 @@ class TracefsMarkerProbe(Source):
                             f"p:{self.group}/bw_enter_{n} {path}:{offset:#x}")
             self._add_event(target, f"bw_exit_{n}", "backward_exit",
                             f"r:{self.group}/bw_exit_{n} {path}:{offset:#x}")
+        for offset in wait:
+            n = next(_EVENT_NUMBERS["wait"])
+            self._add_event(target, f"wait_enter_{n}", "wait_enter",
+                            f"p:{self.group}/wait_enter_{n} {path}:{offset:#x}")
+            self._add_event(target, f"wait_exit_{n}", "wait_exit",
+                            f"r:{self.group}/wait_exit_{n} {path}:{offset:#x}")
 
     def _add_event(self, target: TargetProcess, name: str, kind: str, definition: str) -> None:
         try:

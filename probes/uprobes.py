@@ -3,10 +3,12 @@
 Measures: the exact CLOCK_MONOTONIC time of every ``Optimizer.step``,
 ``Optimizer.zero_grad`` and DataLoader ``__next__`` entry (PyTorch wraps each
 in a ``record_function`` block, whose C++ entry point we probe) and of every
-``torch::autograd::Engine::execute`` entry and exit (one per ``backward()``).
+``torch::autograd::Engine::execute`` entry and exit (one per ``backward()``), and
+the entry and exit of the c10d calls that block on a collective (``wait_enter`` /
+``wait_exit``: ``COLLECTIVE_WAIT_SYMBOLS``).
 
-Cost: one uprobe trap per ``record_function`` entry and per ``backward()`` in
-the target, i.e. a handful per training step (a few microseconds each); names
+Cost: one uprobe trap per ``record_function`` entry, per ``backward()`` and per
+collective wait in the target, i.e. a handful per training step (a few microseconds each); names
 that do not mark a step are rejected in the kernel after one 24-byte read.
 Set-up: ~0.5 s of BPF compilation.
 
@@ -48,6 +50,15 @@ RECORD_FUNCTION_SYMBOLS = (
     "_ZN5torch8autograd8profiler21record_function_enterE",  # older
 )
 ENGINE_EXECUTE_SYMBOL = "_ZN5torch8autograd6Engine7executeE"
+# Where a rank blocks on a collective, for gloo and NCCL process groups alike:
+# c10d::Work::wait (an explicit ``work.wait()``, synchronous collectives, gloo's
+# async work) and DDP's Reducer::finalize_backward (waits for every bucket's
+# all-reduce at the end of backward, through futures whose wait is inlined).
+# Nested calls count once (the reducer keeps a depth per thread).
+COLLECTIVE_WAIT_SYMBOLS = (
+    "_ZN4c10d4Work4waitE",
+    "_ZN4c10d7Reducer17finalize_backwardEv",
+)
 
 # record_function names that mark a step, and the BPF event kind of each
 # (kind numbers index MARKER_KINDS from 1, as in iterations.bpf.c).
@@ -132,15 +143,17 @@ def open_torch_library(target: TargetProcess) -> MappedLibrary:
 
 
 def find_torch_symbols(target: TargetProcess, library: MappedLibrary
-                       ) -> tuple[list[str], list[str]]:
-    """(record_function entry symbols, Engine::execute symbols) in the target's libtorch_cpu.
+                       ) -> tuple[list[str], list[str], list[str]]:
+    """(record_function entry symbols, Engine::execute symbols, collective wait symbols)
+    in the target's libtorch_cpu.
 
     Raises SymbolNotFound when the library cannot be read or has no
-    record_function entry point; Engine::execute may be absent ([]).
+    record_function entry point; the others may be absent ([]).
     """
     try:
         with mmap.mmap(library.fd, 0, prot=mmap.PROT_READ) as buf:
-            found = find_function_symbols(buf, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL))
+            found = find_function_symbols(
+                buf, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, *COLLECTIVE_WAIT_SYMBOLS))
     except (OSError, ValueError, ElfError) as err:
         raise SymbolNotFound(
             f"pid {target.pid} ({target.name}): cannot read symbols of {target.torch_library}: "
@@ -153,7 +166,8 @@ def find_torch_symbols(target: TargetProcess, library: MappedLibrary
             "torch::autograd::profiler::record_function_enter_new or record_function_enter "
             "(a PyTorch older than 1.8, or a build with hidden symbols)"
         )
-    return [s.name for s in record], [s.name for s in found[ENGINE_EXECUTE_SYMBOL]]
+    return ([s.name for s in record], [s.name for s in found[ENGINE_EXECUTE_SYMBOL]],
+            [s.name for p in COLLECTIVE_WAIT_SYMBOLS for s in found[p]])
 
 
 def step_prefixes(kinds: tuple[str, ...]) -> dict[str, str]:
@@ -288,7 +302,8 @@ class MarkerProbe(Source):
             raise
         self._bpf[b"events"].open_ring_buffer(self._on_event)
 
-    def _attach(self, target: TargetProcess, record: list[str], engine: list[str]) -> None:
+    def _attach(self, target: TargetProcess, record: list[str], engine: list[str],
+                wait: list[str]) -> None:
         lib = self._libraries[target.pid].probe_path.encode()
         attached = 0
         for sym in record:
@@ -307,6 +322,15 @@ class MarkerProbe(Source):
             )
             self._bpf.attach_uretprobe(
                 name=lib, sym=sym.encode(), fn_name=b"on_backward_exit", pid=target.pid
+            )
+        for sym in wait:
+            # Return first: a call entered between the two attaches then shows only its
+            # exit (ignored), never an entry without an exit.
+            self._bpf.attach_uretprobe(
+                name=lib, sym=sym.encode(), fn_name=b"on_wait_exit", pid=target.pid
+            )
+            self._bpf.attach_uprobe(
+                name=lib, sym=sym.encode(), fn_name=b"on_wait_enter", pid=target.pid
             )
         if not engine:
             self.warnings.append(

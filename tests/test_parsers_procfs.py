@@ -45,3 +45,9 @@ def test_status_gives_capabilities_and_memory_in_bytes():
     assert procfs.missing_capabilities(status.effective_capabilities, [procfs.CAP_BPF]) == []
     assert procfs.missing_capabilities(0, [procfs.CAP_BPF, procfs.CAP_SYS_PTRACE]) == [
         "CAP_BPF", "CAP_SYS_PTRACE"]
+
+
+def test_schedstat_gives_cpu_time_and_run_queue_wait_or_none():
+    assert procfs.parse_schedstat("927892 20348 2\n") == (927892, 20348)
+    for bad in ("", "12\n", "x 1 2", "-1 2 3"):
+        assert procfs.parse_schedstat(bad) is None

@@ -147,8 +147,12 @@ def _node_summary(tmp_path: Path) -> dict:
         eventlogs.write(f, eventlogs.node_records(40, ranks=4))
     summary = rebuild_from_event_log(log).summary
     summary["session_info"].update(end_time=None, end_reason=None, hung=True)
+    # One open straggler episode (rank 2) and one that ended (rank 1: not flagged).
     summary["final_statistics"]["stragglers"] = [
-        {"pid": eventlogs.PID + 2, "rank": 2, "slower_by_pct": 12.5}]
+        {"pid": eventlogs.PID + 1, "rank": 1, "delay_ms_per_step": 9.0,
+         "since": "2026-12-01T00:00:00+00:00", "until": "2026-12-01T00:01:00+00:00"},
+        {"pid": eventlogs.PID + 2, "rank": 2, "delay_ms_per_step": 12.5,
+         "since": "2026-12-01T00:02:00+00:00", "until": None}]
     return summary
 
 

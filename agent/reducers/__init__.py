@@ -13,6 +13,8 @@ means one record type (perfmon.parsers.events) and one reducer here.
 - cuda.CudaActivity: CUDA/NCCL per iteration
 - quality.DataQuality, quality.Hangs: what sources missed; hangs
 - exits.Exits: how each rank ended, and the job's cause
+- ranks.RankTimes: every rank's step, wait and compute; stragglers
+- failslow.FailSlow: sustained shifts of the step time, and recoveries
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from typing import Any
 from perfmon.agent.model import Workload
 from perfmon.agent.reducers.cuda import CudaActivity
 from perfmon.agent.reducers.exits import Exits
+from perfmon.agent.reducers.failslow import FailSlow
 from perfmon.agent.reducers.intervals import DEFAULT_MAX_LOG_ENTRIES, Intervals
 from perfmon.agent.reducers.iterations import IterationClock
 from perfmon.agent.reducers.phases import PhaseAccount
 from perfmon.agent.reducers.quality import DataQuality, Hangs
+from perfmon.agent.reducers.ranks import RankTimes
 from perfmon.agent.reducers.resources import Resources
 
 __all__ = ["DEFAULT_MAX_LOG_ENTRIES", "Summarizer"]
@@ -39,7 +43,8 @@ class Summarizer:
     def __init__(self, workload: Workload, primary_pid: int, start_t_mono_ns: int,
                  start_wall_s: float, log_interval: int = 10, *, stack_sampling: bool = False,
                  phases_continuous: bool = True, cuda_counters: bool = False,
-                 max_log_entries: int | None = DEFAULT_MAX_LOG_ENTRIES) -> None:
+                 max_log_entries: int | None = DEFAULT_MAX_LOG_ENTRIES,
+                 ranks: dict[int, int | None] | None = None) -> None:
         self.workload = workload
         self.start_t_mono_ns = start_t_mono_ns
         self.start_wall_s = start_wall_s
@@ -53,18 +58,22 @@ class Summarizer:
         self.quality = DataQuality()
         self.hangs = Hangs(self.wall_time)
         self.exits = Exits(self.wall_time)
+        self.ranks = RankTimes(ranks or {primary_pid: None}, primary_pid, start_t_mono_ns,
+                               self.wall_time)
+        self.failslow = FailSlow(self.wall_time, self.ranks, start_t_mono_ns=start_t_mono_ns)
         self.intervals = Intervals(
             clock=self.clock, phases=self.phases, resources=self.resources, cuda=self.cuda,
             log_interval=log_interval, max_log_entries=max_log_entries,
             # Entries wait for the samples that cover them only when sampling is
             # continuous; in bursts most intervals have none to wait for.
-            wait_for_phases=stack_sampling and phases_continuous, wall_time=self.wall_time)
+            wait_for_phases=stack_sampling and phases_continuous, wall_time=self.wall_time,
+            ranks=self.ranks if ranks and len(ranks) > 1 else None)
         self._primary = primary = primary_pid
         phase_feed = self.phases.feed_phase
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
             "marker": self._on_marker,
             "phase": lambda r: phase_feed(r) if r["pid"] == primary else None,
-            "process": self.resources.on_process,
+            "process": self._on_process,
             "gpu": self.resources.on_gpu,
             "xid": self.resources.on_gpu_event,
             "ecc": self.resources.on_gpu_event,
@@ -75,8 +84,7 @@ class Summarizer:
             "rank_exit": self.exits.on_exit,
             "session_end": self._on_end,
         }
-        if self.cuda is not None:
-            self._handlers["cuda"] = self.cuda.on_snapshot
+        self._handlers["cuda"] = self._on_cuda
 
     # -- feeding ---------------------------------------------------------------------
 
@@ -85,16 +93,40 @@ class Summarizer:
         handler = self._handlers.get(record["type"])
         if handler is not None:
             handler(record)
+        if record["type"] == "session_end":
+            done = self.intervals.finalize(record["t_mono_ns"], True)
+            self.failslow.resolve(self.intervals.entries, True)
+            return done
         if not self.intervals.waiting:  # (an attribute: this runs for every record)
             return []
-        return self.intervals.finalize(record["t_mono_ns"], record["type"] == "session_end")
+        done = self.intervals.finalize(record["t_mono_ns"], False)
+        if done:
+            self.failslow.resolve(self.intervals.entries, False)
+        return done
 
     def _on_marker(self, record: dict[str, Any]) -> None:
+        self.ranks.on_marker(record)
         if record["pid"] != self._primary:  # most markers on a node: other ranks'
             return
         it = self.clock.on_marker(record)
         if it is not None:
             self.intervals.on_iteration(it)
+            self.failslow.on_iteration(it.end_t_mono_ns, it.step_time_ns)
+
+    def _on_process(self, record: dict[str, Any]) -> None:
+        self.resources.on_process(record)
+        self.ranks.on_process(record)
+
+    def _on_cuda(self, record: dict[str, Any]) -> None:
+        self.ranks.on_cuda(record)
+        if self.cuda is not None:
+            self.cuda.on_snapshot(record)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Straggler and fail-slow events found since the last call (for live lines)."""
+        events = self.ranks.new_events + self.failslow.new_events
+        self.ranks.new_events, self.failslow.new_events = [], []
+        return events
 
     def _on_quality(self, record: dict[str, Any]) -> None:
         self.quality.on_quality(record)
@@ -169,6 +201,15 @@ class Summarizer:
             "phases_source": self.phases.source,
             **(self.cuda.summary() if self.cuda is not None else {}),
             "hangs": self.hangs.hangs,
+            "stragglers": self.ranks.stragglers(),
+            "fail_slow": self.failslow.summary(),
             "data_quality": self.quality.summary(),
         }
+        # Each rank's memory peaks (resources) and its step, wait and compute means.
+        times = self.ranks.summary()
+        by_pid = {r["pid"]: r for r in stats["ranks"]}
+        for pid, means in times.items():
+            by_pid.setdefault(pid, {"pid": pid}).update(
+                {k: v for k, v in means.items() if k != "pid"})
+        stats["ranks"] = sorted(by_pid.values(), key=lambda r: r["pid"])
         return stats

@@ -15,6 +15,7 @@ from typing import Any
 from perfmon.agent.reducers.cuda import CudaActivity
 from perfmon.agent.reducers.iterations import Iteration, IterationClock, Totals
 from perfmon.agent.reducers.phases import PhaseAccount
+from perfmon.agent.reducers.ranks import RankTimes
 from perfmon.agent.reducers.resources import Resources
 
 # How long (in record time) an interval entry waits for the samples covering it.
@@ -27,12 +28,14 @@ class Intervals:
 
     def __init__(self, *, clock: IterationClock, phases: PhaseAccount, resources: Resources,
                  cuda: CudaActivity | None, log_interval: int, wait_for_phases: bool,
-                 max_log_entries: int | None, wall_time: Any) -> None:
+                 max_log_entries: int | None, wall_time: Any,
+                 ranks: RankTimes | None = None) -> None:
         self.clock, self.phases, self.resources, self.cuda = clock, phases, resources, cuda
         self.log_interval = log_interval
         self.wait_for_phases = wait_for_phases
         self.max_log_entries = max_log_entries
         self.wall_time = wall_time
+        self.ranks = ranks  # multi-rank sessions: each rank's means per entry
         self.entries: list[dict[str, Any]] = []  # iteration_logs
         self.log_stride = 1
         self._seq: list[int] = []  # interval number of each entry
@@ -65,6 +68,8 @@ class Intervals:
         # Memory and GPU figures now: their samples are logged as they are taken.
         start = end - totals.step_ns
         entry.update(self.resources.interval(start, end))
+        if self.ranks is not None:
+            entry["ranks"] = self.ranks.interval()
         self.resources.prune(end)
         self._pending.append((entry, start, end, len(its)))
 

@@ -3,7 +3,8 @@
 // Only the few record_function names that mark a training step leave the
 // kernel; every other record_function call returns after one short compare
 // (step_names.bpf.h reads and classifies the name). Engine::execute (one call
-// per backward()) is counted at entry and exit.
+// per backward()) is counted at entry and exit, and so are the c10d calls that block
+// on a collective (the wait_* events).
 //
 // Settings arrive as -D cflags: NAME_LEN (bytes of the name copied out),
 // RING_PAGES (the ring buffer's size), and those of step_names.bpf.h.
@@ -22,6 +23,8 @@ enum event_kind {
     EV_DATALOADER_NEXT = 3,
     EV_BACKWARD_ENTER = 4,
     EV_BACKWARD_EXIT = 5,
+    EV_WAIT_ENTER = 6,
+    EV_WAIT_EXIT = 7,
 };
 
 struct event_t {
@@ -103,4 +106,16 @@ int on_backward_enter(struct pt_regs *ctx)
 int on_backward_exit(struct pt_regs *ctx)
 {
     return emit_unnamed(EV_BACKWARD_EXIT);
+}
+
+// A thread blocked on a collective (c10d Work::wait, DDP's Reducer::finalize_backward):
+// a few per step, so each entry and return leaves the kernel.
+int on_wait_enter(struct pt_regs *ctx)
+{
+    return emit_unnamed(EV_WAIT_ENTER);
+}
+
+int on_wait_exit(struct pt_regs *ctx)
+{
+    return emit_unnamed(EV_WAIT_EXIT);
 }

@@ -107,6 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra compute time (a busy loop) per micro-batch on the slow ranks")
     p.add_argument("--slow-from", type=int, default=0, help="... from this iteration")
     p.add_argument("--slow-until", type=int, default=0, help="... until this one (0: the end)")
+    p.add_argument("--slow-from-s", type=float, default=0.0,
+                   help="... from this many seconds after training started")
+    p.add_argument("--slow-until-s", type=float, default=0.0, help="... until (0: the end)")
+    p.add_argument("--slow-factor", type=float, default=0.0,
+                   help="instead of --slow-ms: this fraction of the median step time the rank "
+                        "measured before the slowdown (a GPU throttled by that much)")
     # Flags it does not use are ignored, as launchers often pass more than a
     # script reads (e.g. --config_name, --global-batch-size for the agent to find).
     return p.parse_known_args(argv)[0]
@@ -125,10 +131,12 @@ def busy_wait(seconds: float) -> None:
         pass
 
 
-def slowed(args: argparse.Namespace, rank: int, iteration: int) -> bool:
-    if not args.slow_ms or iteration < args.slow_from:
+def slowed(args: argparse.Namespace, rank: int, iteration: int, elapsed_s: float) -> bool:
+    if not (args.slow_ms or args.slow_factor) or iteration < args.slow_from:
         return False
     if args.slow_until and iteration >= args.slow_until:
+        return False
+    if elapsed_s < args.slow_from_s or (args.slow_until_s and elapsed_s >= args.slow_until_s):
         return False
     return args.slow_ranks == "all" or str(rank) in args.slow_ranks.split(",")
 
@@ -143,6 +151,11 @@ def train(args: argparse.Namespace) -> None:
     model = GPT(vocab=args.vocab_size, seq=args.seq_length, layers=args.num_layers,
                 hidden=args.hidden_size, heads=args.num_attention_heads, ffn=ffn).to(device)
     rank = int(os.environ.get("RANK", "0"))
+    # A slowed rank computes longer inside its forward (a pre-hook: the time is the
+    # model's, as a throttled GPU's would be).
+    slow = {"s": 0.0}
+    if args.slow_ms or args.slow_factor:
+        model.register_forward_pre_hook(lambda _m, _i: busy_wait(slow["s"]) if slow["s"] else None)
     if args.ddp:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -160,13 +173,23 @@ def train(args: argparse.Namespace) -> None:
         loop(args, model, optimizer, batches, stamps, device)
         return
     iteration = 0
+    started = last = time.monotonic()
+    steps: list[float] = []  # step times before the slowdown: its reference
     while args.train_iters == 0 or iteration < args.train_iters:
+        now = time.monotonic()
+        if slowed(args, rank, iteration, now - started):
+            slow["s"] = (args.slow_ms / 1000 if args.slow_ms else
+                         args.slow_factor * sorted(steps)[len(steps) // 2] / args.grad_accum
+                         if steps else 0.0)
+        else:
+            slow["s"] = 0.0
+            if iteration and len(steps) < 10_000:
+                steps.append(now - last)
+        last = now
         if args.stall_at and iteration == args.stall_at:
             deliberately_stalled_collective()
         for _ in range(args.grad_accum):
             tokens = next(batches).to(device, non_blocking=True)
-            if slowed(args, rank, iteration):
-                busy_wait(args.slow_ms / 1000)
             logits = model(tokens[:, :-1])
             loss = nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)

@@ -1,0 +1,342 @@
+"""``perfmon-agent merge DIR...``: the summaries one job's nodes wrote, as one job summary.
+
+Each node's agent (``attach``, ``run`` or the node service) writes its own
+``perf_summary_*.json`` with ``session_info.job.id`` (the job id every node derives
+alike: ``TORCHELASTIC_RUN_ID``, else the rendezvous address; see docs/service.md).
+``merge`` reads every summary under the folders given (and their sub-folders, 3
+levels: the service's ``<root>/<host>/<job>/``), groups them by job id and host,
+and writes ``job_summary.json`` (schema: docs/job_summary.schema.json):
+
+- ``job_info``: job id and name, nodes, ranks, the time span, the inputs;
+- ``iteration_logs``: per log interval, aligned by iteration number (the job's own
+  numbering when every node read it, else the count since each node's attach,
+  said in ``job_info.aligned_by``) on the grid of the log interval L (an entry
+  ending at iteration n counts for the interval ending at ceil(n / L) x L, as the
+  nodes' agents attached at different iterations): the job's step time (the
+  slowest node's: a synchronous job waits for it), each node's step time,
+  tokens/s and TFLOPS per GPU over all GPUs;
+- ``final_statistics``: the job's average and percentile step times over the
+  aligned intervals, tokens/s, TFLOPS per GPU and MFU, a per-node table, the
+  slowest node (the one whose ranks compute longest, else whose step is longest)
+  and by how much, every node's stragglers and fail-slow events (with their host),
+  and the job's exit cause (the earliest failing rank of any node).
+
+Throughput: every node computes tokens/s and TFLOPS from the job's global batch
+over its own step time, so the job's figures are a node's figure scaled by
+node step / job step, never a sum of the nodes' figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from perfmon.agent.console import printable, warn
+from perfmon.agent.outputs import json_bytes, write_user_file
+from perfmon.agent.reducers.iterations import percentile
+from perfmon.agent.session import agent_version
+from perfmon.probes.files import InputFileError, read_user_file
+
+MAX_SUMMARY_BYTES = 256 << 20
+MAX_DEPTH = 3
+MERGE_DESCRIPTION = ("Combine the perf summaries of one job written on several nodes (matched "
+                     "by session_info.job.id) into one job summary.")
+MERGE_EPILOG = """\
+examples:
+  perfmon-agent merge /shared/perfmon/jobs/*/ -o job_summary.json
+  perfmon-agent merge node0/ node1/ --job my-run-17 --json
+
+Figures: docs/merge.md. Schema: docs/job_summary.schema.json.
+"""
+
+
+def add_merge_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folders", nargs="+", type=Path, metavar="DIR",
+                   help="folders holding perf_summary_*.json (searched 3 levels deep)")
+    p.add_argument("-o", "--output", type=Path, default=Path("job_summary.json"),
+                   help="where to write the job summary (default: %(default)s)")
+    p.add_argument("--job", help="the job id to merge, when the folders hold several")
+    p.add_argument("--json", action="store_true", help="also print the job summary on stdout")
+
+
+def find_summaries(folder: Path) -> list[Path]:
+    """perf_summary_*.json files under ``folder`` (never through links), sorted."""
+    if folder.is_symlink() or not folder.is_dir():
+        raise InputFileError(f"folder {folder}: not a folder")
+    found: list[Path] = []
+
+    def walk(where: Path, depth: int) -> None:
+        try:
+            entries = sorted(os.scandir(where), key=lambda e: e.name)
+        except OSError as err:
+            if depth == 0:
+                raise InputFileError(f"folder {where}: {err.strerror}") from err
+            return
+        for entry in entries:
+            if entry.is_symlink():
+                continue
+            if entry.is_dir() and depth < MAX_DEPTH:
+                walk(Path(entry.path), depth + 1)
+            elif (entry.is_file() and entry.name.startswith("perf_summary_")
+                  and entry.name.endswith(".json")):
+                found.append(Path(entry.path))
+
+    walk(folder, 0)
+    return found
+
+
+def load_summary(path: Path) -> dict[str, Any]:
+    try:
+        summary = json.loads(read_user_file(str(path), "summary", MAX_SUMMARY_BYTES))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputFileError(f"summary {path}: not JSON ({err})") from err
+    if not (isinstance(summary, dict) and isinstance(summary.get("session_info"), dict)
+            and isinstance(summary.get("final_statistics"), dict)
+            and isinstance(summary.get("iteration_logs"), list)):
+        raise InputFileError(f"summary {path}: not a perf summary (session_info, "
+                             "final_statistics and iteration_logs expected)")
+    return summary
+
+
+def _job_id(summary: dict[str, Any]) -> str | None:
+    job = summary["session_info"].get("job")
+    return str(job["id"]) if isinstance(job, dict) and job.get("id") is not None else None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+class Node:
+    """One host's summaries of the job (several when its agent restarted)."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.summaries: list[tuple[Path, dict[str, Any]]] = []
+
+    @property
+    def own_numbering(self) -> bool:
+        return all(str(s["session_info"].get("iteration_numbering", "")).startswith(
+            "the job's own") for _, s in self.summaries)
+
+    def entries(self) -> list[dict[str, Any]]:
+        out = [e for _, s in self.summaries for e in s["iteration_logs"]
+               if isinstance(e, dict) and isinstance(e.get("iteration"), int)
+               and _number(e.get("step_time_ms")) is not None]
+        return sorted(out, key=lambda e: e["iteration"])
+
+    def stat(self, key: str) -> float | None:
+        """The iteration-weighted mean of a final statistic over this node's summaries."""
+        pairs = [(v, _number(s["final_statistics"].get("measured_iterations")) or 1.0)
+                 for _, s in self.summaries
+                 if (v := _number(s["final_statistics"].get(key))) is not None]
+        total = sum(w for _, w in pairs)
+        return sum(v * w for v, w in pairs) / total if pairs and total else None
+
+    def ranks(self) -> list[dict[str, Any]]:
+        return [r for _, s in self.summaries for r in s["final_statistics"].get("ranks") or []
+                if isinstance(r, dict)]
+
+    def compute_ms(self) -> float | None:
+        """Its slowest rank's mean compute per step (None without the rank analysis)."""
+        values = [v for r in self.ranks() if (v := _number(r.get("avg_compute_ms"))) is not None]
+        return max(values) if values else None
+
+    def row(self) -> dict[str, Any]:
+        infos = [s["session_info"] for _, s in self.summaries]
+        stats = [s["final_statistics"] for _, s in self.summaries]
+        pids = sorted({p for i in infos for p in i.get("pids") or [] if isinstance(p, int)})
+        ranks = sorted({r for i in infos for r in i.get("ranks") or [] if isinstance(r, int)})
+        peaks = [v for st in stats if (v := _number(st.get("peak_memory_gb"))) is not None]
+        return {
+            "host": self.host, "summaries": [str(p) for p, _ in self.summaries],
+            "pids": pids, "ranks": ranks,
+            "iterations": sum(int(i.get("total_iterations") or 0) for i in infos),
+            "avg_step_time_ms": self.stat("avg_step_time_ms"),
+            "avg_compute_ms": self.compute_ms(),
+            "avg_tokens_per_sec": self.stat("avg_tokens_per_sec"),
+            "avg_samples_per_sec": self.stat("avg_samples_per_sec"),
+            "avg_tflops_per_gpu": self.stat("avg_tflops_per_gpu"),
+            "mfu": self.stat("mfu"),
+            "peak_memory_gb": max(peaks) if peaks else None,
+            "stragglers": sum(len(st.get("stragglers") or []) for st in stats),
+            "fail_slow_events": sum(1 for st in stats for e in st.get("fail_slow") or []
+                                    if isinstance(e, dict) and e.get("event") == "fail_slow"),
+            "hung": any(bool(i.get("hung")) for i in infos),
+            "end_reason": infos[-1].get("end_reason"),
+        }
+
+
+def merge(summaries: list[tuple[Path, dict[str, Any]]], job_id: str) -> dict[str, Any]:
+    """The job summary of ``summaries`` (all of job ``job_id``)."""
+    nodes: dict[str, Node] = {}
+    for path, summary in summaries:
+        host = str(summary["session_info"].get("host") or "?")
+        nodes.setdefault(host, Node(host)).summaries.append((path, summary))
+    infos = [s["session_info"] for _, s in summaries]
+    job = next(i["job"] for i in infos if isinstance(i.get("job"), dict))
+    own = all(n.own_numbering for n in nodes.values())
+
+    # Per interval, aligned by iteration number on the log-interval grid: the nodes'
+    # agents attached at different iterations, so their entries end at different ones.
+    grid = max((i["log_interval"] for i in infos
+                if isinstance(i.get("log_interval"), int) and i["log_interval"] > 0), default=1)
+    by_iteration: dict[int, dict[str, dict[str, Any]]] = {}
+    for node in nodes.values():
+        for entry in node.entries():
+            slot = -(-entry["iteration"] // grid) * grid
+            by_iteration.setdefault(slot, {})[node.host] = entry
+    logs: list[dict[str, Any]] = []
+    steps_sorted: list[float] = []
+    for iteration in sorted(by_iteration):
+        per_node = by_iteration[iteration]
+        steps = {h: float(e["step_time_ms"]) for h, e in per_node.items()}
+        slowest = max(steps, key=steps.__getitem__)
+        job_step = steps[slowest]
+        steps_sorted.append(job_step)
+        logs.append({
+            "iteration": iteration, "timestamp": per_node[slowest].get("timestamp"),
+            "step_time_ms": job_step, "slowest_node": slowest,
+            "node_step_time_ms": steps, "nodes": len(per_node),
+            **{key: _scaled(per_node, steps, job_step, key)
+               for key in ("tokens_per_sec", "samples_per_sec", "TFLOPS_per_GPU")},
+        })
+
+    rows = [n.row() for n in sorted(nodes.values(), key=lambda n: n.host)]
+    steps_sorted.sort()
+    avg_step = _mean(steps_sorted)
+
+    # Throughput over the job's step time: a node's figure x node step / job step.
+    def job_rate(key: str) -> float | None:
+        values = [v * r["avg_step_time_ms"] / avg_step for r in rows
+                  if avg_step and (v := _number(r.get(key))) is not None
+                  and _number(r.get("avg_step_time_ms"))]
+        return _mean(values)
+
+    tflops = job_rate("avg_tflops_per_gpu")
+    peaks = [r["avg_tflops_per_gpu"] / r["mfu"] for r in rows
+             if _number(r.get("avg_tflops_per_gpu")) and _number(r.get("mfu"))]
+    tokens, samples = job_rate("avg_tokens_per_sec"), job_rate("avg_samples_per_sec")
+
+    stragglers, fail_slow, causes = [], [], []
+    for node in nodes.values():
+        for _path, s in node.summaries:
+            stats = s["final_statistics"]
+            stragglers += [{"host": node.host, **e} for e in stats.get("stragglers") or []
+                           if isinstance(e, dict)]
+            fail_slow += [{"host": node.host, **e} for e in stats.get("fail_slow") or []
+                          if isinstance(e, dict)]
+            exits = s["session_info"].get("exit") or {}
+            cause = exits.get("cause")
+            if isinstance(cause, dict):
+                # When: the rank's exit record (wall clock: the nodes' clocks compare).
+                rank = (exits.get("ranks") or {}).get(str(cause.get("pid"))) or {}
+                causes.append({"host": node.host, **cause, "time": rank.get("time")})
+    causes.sort(key=lambda c: str(c["time"] or "~"))
+
+    return {
+        "job_info": {
+            "job_id": job_id, "name": job.get("name"), "id_from": job.get("id_from"),
+            "nodes": len(nodes), "hosts": sorted(nodes),
+            "ranks": sum(len(r["pids"]) for r in rows),
+            "start_time": min((str(i.get("start_time")) for i in infos), default=None),
+            "end_time": max((str(i["end_time"]) for i in infos if i.get("end_time")),
+                            default=None),
+            "aligned_by": ("the job's own iteration number" if own else
+                           "iteration counted from each node's attach (approximate: the "
+                           "nodes' agents attached at different iterations)"),
+            "inputs": [str(p) for p, _ in summaries],
+            "merged_by": f"perfmon-agent {agent_version()}",
+        },
+        "final_statistics": {
+            "avg_step_time_ms": avg_step,
+            "p50_step_time_ms": percentile(steps_sorted, 0.5),
+            "p90_step_time_ms": percentile(steps_sorted, 0.9),
+            "max_step_time_ms": steps_sorted[-1] if steps_sorted else None,
+            "intervals": len(logs),
+            "total_iterations": max((r["iterations"] for r in rows), default=0),
+            "avg_tokens_per_sec": tokens,
+            "avg_samples_per_sec": samples,
+            "avg_tflops_per_gpu": tflops,
+            "mfu": tflops / statistics.fmean(peaks) if tflops is not None and peaks else None,
+            "nodes": rows,
+            "slowest_node": _slowest(rows),
+            "stragglers": stragglers,
+            "fail_slow": fail_slow,
+            "exit_cause": causes[0] if causes else None,
+        },
+        "iteration_logs": logs,
+    }
+
+
+def _scaled(per_node: dict[str, dict[str, Any]], steps: dict[str, float], job_step: float,
+            key: str) -> float | None:
+    """A throughput figure over the job's step: each node's x its step / the job's."""
+    return _mean([v * steps[h] / job_step for h, e in per_node.items()
+                  if (v := _number(e.get(key))) is not None])
+
+
+def _slowest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The node whose ranks compute longest (else whose step is longest), and by how
+    much against the median of the other nodes."""
+    for key in ("avg_compute_ms", "avg_step_time_ms"):
+        values: dict[str, float] = {
+            r["host"]: v for r in rows if (v := _number(r.get(key))) is not None}
+        if len(values) < 2 or len(values) < len(rows):
+            continue
+        host = max(values, key=values.__getitem__)
+        others = statistics.median(v for h, v in values.items() if h != host)
+        return {"host": host, "by": key, "value_ms": values[host],
+                "others_median_ms": others, "excess_ms": values[host] - others,
+                "excess_pct": 100 * (values[host] / others - 1) if others else None}
+    return None
+
+
+def merge_main(args: argparse.Namespace) -> int:
+    paths = [p for folder in args.folders for p in find_summaries(folder)]
+    if not paths:
+        raise InputFileError(f"no perf_summary_*.json under {' '.join(map(str, args.folders))}")
+    by_job: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+    for path in paths:
+        summary = load_summary(path)
+        job_id = _job_id(summary)
+        if job_id is None:
+            warn(f"{path}: no session_info.job.id (written by an older agent): left out")
+            continue
+        by_job.setdefault(job_id, []).append((path, summary))
+    if args.job is not None:
+        if args.job not in by_job:
+            raise InputFileError(f"job {args.job!r} not found; the folders hold: "
+                                 f"{', '.join(sorted(by_job)) or 'no job ids'}")
+        job_id = args.job
+    elif len(by_job) == 1:
+        job_id = next(iter(by_job))
+    else:
+        raise InputFileError(f"the folders hold {len(by_job)} jobs "
+                             f"({', '.join(sorted(by_job)) or 'none with a job id'}): "
+                             "name one with --job")
+    result = merge(by_job[job_id], job_id)
+    data = json_bytes(result)
+    write_user_file(args.output, data)
+    if args.json:
+        sys.stdout.write(data.decode())
+        return 0
+    stats = result["final_statistics"]
+    slowest = stats["slowest_node"]
+    print(printable(
+        f"job {job_id}: {result['job_info']['nodes']} nodes, {result['job_info']['ranks']} "
+        f"ranks, {stats['intervals']} aligned intervals, step "
+        f"{stats['avg_step_time_ms'] or 0:.1f} ms"
+        + (f"; slowest node {slowest['host']} (+{slowest['excess_ms']:.1f} ms)"
+           if slowest else "")))
+    print(printable(f"job summary: {args.output}"))
+    return 0
