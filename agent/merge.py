@@ -29,7 +29,6 @@ node step / job step, never a sum of the nodes' figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,9 +39,9 @@ from perfmon.agent.console import printable, warn
 from perfmon.agent.outputs import json_bytes, write_user_file
 from perfmon.agent.reducers.iterations import percentile
 from perfmon.agent.session import agent_version
-from perfmon.probes.files import InputFileError, read_user_file
+from perfmon.agent.summary import read_summary
+from perfmon.probes.files import InputFileError
 
-MAX_SUMMARY_BYTES = 256 << 20
 MAX_DEPTH = 3
 MERGE_DESCRIPTION = ("Combine the perf summaries of one job written on several nodes (matched "
                      "by session_info.job.id) into one job summary.")
@@ -88,19 +87,6 @@ def find_summaries(folder: Path) -> list[Path]:
 
     walk(folder, 0)
     return found
-
-
-def load_summary(path: Path) -> dict[str, Any]:
-    try:
-        summary = json.loads(read_user_file(str(path), "summary", MAX_SUMMARY_BYTES))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise InputFileError(f"summary {path}: not JSON ({err})") from err
-    if not (isinstance(summary, dict) and isinstance(summary.get("session_info"), dict)
-            and isinstance(summary.get("final_statistics"), dict)
-            and isinstance(summary.get("iteration_logs"), list)):
-        raise InputFileError(f"summary {path}: not a perf summary (session_info, "
-                             "final_statistics and iteration_logs expected)")
-    return summary
 
 
 def _job_id(summary: dict[str, Any]) -> str | None:
@@ -307,7 +293,7 @@ def merge_main(args: argparse.Namespace) -> int:
         raise InputFileError(f"no perf_summary_*.json under {' '.join(map(str, args.folders))}")
     by_job: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
     for path in paths:
-        summary = load_summary(path)
+        summary = read_summary(path)
         job_id = _job_id(summary)
         if job_id is None:
             warn(f"{path}: no session_info.job.id (written by an older agent): left out")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import html
 import io
-import json
 import math
 import os
 import re
@@ -45,16 +44,15 @@ from perfmon.agent.argtypes import positive_int
 from perfmon.agent.console import printable, warn
 from perfmon.agent.outputs import OutputDir, OutputNotWritable, json_bytes, write_user_file
 from perfmon.agent.reducers.phases import PHASES
-from perfmon.agent.summary import rebuild_from_event_log
+from perfmon.agent.summary import read_summary, rebuild_from_event_log
 from perfmon.parsers.errors import PerfmonError
-from perfmon.probes.files import InputFileError, open_user_file, read_user_file
+from perfmon.probes.files import InputFileError, open_user_file
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 DEFAULT_MAX_POINTS = 2000
-MAX_SUMMARY_BYTES = 256 << 20  # a summary keeps at most --max-log-entries entries
 GIB = 1 << 30
 
 REPORT_DESCRIPTION = ("Write one self-contained HTML page (inline SVG plots, no scripts) of a "
@@ -230,18 +228,9 @@ def load_event_log(path: Path, max_points: int = DEFAULT_MAX_POINTS) -> Run:
 
 def load_summary_file(path: Path, max_points: int = DEFAULT_MAX_POINTS) -> Run:
     """A perf summary JSON file; its own iteration_logs give the series. InputFileError."""
-    data = read_user_file(str(path), "summary", MAX_SUMMARY_BYTES)
-    try:
-        summary = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise InputFileError(f"summary {path}: not JSON ({err})") from err
-    if not (isinstance(summary, dict)
-            and isinstance(summary.get("session_info"), dict)
-            and isinstance(summary.get("final_statistics"), dict)
-            and isinstance(summary.get("iteration_logs"), list)
-            and isinstance(summary["session_info"].get("attach_monotonic_ns"), int)):
-        raise InputFileError(f"summary {path}: not a perf summary (session_info, "
-                             "final_statistics and iteration_logs expected)")
+    summary = read_summary(path)
+    if not isinstance(summary["session_info"].get("attach_monotonic_ns"), int):
+        raise InputFileError(f"summary {path}: session_info has no attach_monotonic_ns")
     info = summary["session_info"]
     log_interval = info.get("log_interval")
     series = IntervalSeries(max_points, log_interval if isinstance(log_interval, int)

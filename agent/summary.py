@@ -8,6 +8,7 @@ existing dashboards keep reading it. docs/perf_summary.schema.json describes it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
@@ -22,7 +23,9 @@ from perfmon.agent.outputs import WRITE_ERRNOS, OutputDir, json_bytes
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.errors import EventLogError
 from perfmon.parsers.events import EventLogReader
-from perfmon.probes.files import InputFileError, open_user_file
+from perfmon.probes.files import InputFileError, open_user_file, read_user_file
+
+MAX_SUMMARY_BYTES = 256 << 20  # a summary keeps at most --max-log-entries entries
 
 
 def build_summary(session: dict[str, Any], summarizer: Summarizer) -> dict[str, Any]:
@@ -258,3 +261,18 @@ def describe_event(event: dict[str, Any]) -> str:
     return (f"{what}: step time {event['before_step_time_ms']:.1f} -> "
             f"{event['after_step_time_ms']:.1f} ms ({event['change_pct']:+.0f}%) since "
             f"{event['timestamp']}" + (f"; compute moved on {', '.join(moved)}" if moved else ""))
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """A perf summary file the user named (report, top, merge): its JSON, checked for
+    session_info, final_statistics and iteration_logs. Raises InputFileError (one line)."""
+    try:
+        summary = json.loads(read_user_file(str(path), "summary", MAX_SUMMARY_BYTES))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputFileError(f"summary {path}: not JSON ({err})") from err
+    if not (isinstance(summary, dict) and isinstance(summary.get("session_info"), dict)
+            and isinstance(summary.get("final_statistics"), dict)
+            and isinstance(summary.get("iteration_logs"), list)):
+        raise InputFileError(f"summary {path}: not a perf summary (session_info, "
+                             "final_statistics and iteration_logs expected)")
+    return summary

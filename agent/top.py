@@ -18,7 +18,6 @@ prints a new frame; ``--once`` prints one frame and exits.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import select
@@ -36,14 +35,14 @@ from typing import Any
 from perfmon.agent.argtypes import positive_float
 from perfmon.agent.console import printable
 from perfmon.agent.reducers.phases import PHASES
-from perfmon.probes.files import InputFileError, read_user_file
+from perfmon.agent.summary import read_summary
+from perfmon.probes.files import InputFileError
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 DEFAULT_DIRS = (Path("outputs/logs/perf_monitor"), Path("/var/lib/perfmon-agent/jobs"))
-MAX_SUMMARY_BYTES = 256 << 20
 STALE_S = 30.0  # a running session's summary is rewritten at least every 5 s (stretching)
 SPARK_POINTS = 24
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -152,16 +151,10 @@ class SummaryReader:
         if cached is not None and cached[0] == stamp:
             return cached[1]
         try:
-            summary = json.loads(read_user_file(str(path), "summary", MAX_SUMMARY_BYTES))
+            summary = read_summary(path)
         except InputFileError as err:
             if "no such file" not in str(err):
                 self.problems.append(str(err))
-            return None
-        except (ValueError, UnicodeDecodeError) as err:
-            self.problems.append(f"{path}: not JSON ({err})")
-            return None
-        if not isinstance(summary, dict) or not isinstance(summary.get("session_info"), dict):
-            self.problems.append(f"{path}: not a perf summary")
             return None
         job = Job(path, summary, st.st_mtime)
         self._cache[path] = (stamp, job)

@@ -1,49 +1,50 @@
 """Fail-slow: a sustained shift of the job's step time, and its recovery.
 
 Online change-point detection by CUSUM on block medians of the primary rank's step
-time (``FailSlowRule``):
+time against a level that follows the healthy job (``FailSlowRule``):
 
 - Settling: iterations in the first ``settle_s`` (30 s) after the agent attached are
   not looked at (the agent's own start, probes attaching and its CPU budget
   settling, moves the step time of a busy node).
 - Blocks: the step times are grouped into blocks of B iterations, B = ``block_s``
   (2 s) of steps at the median of the first 10, clamped to 5..50; each block is
-  reduced to its median, so one slow iteration (a GC pause, a checkpoint) moves
+  reduced to its median m, so one slow iteration (a GC pause, a checkpoint) moves
   nothing.
-- Baseline: the median of the first ``baseline_blocks`` (5) blocks.
-- The smallest shift reported, in log units: d = max(ln(1 + threshold), z x sigma),
-  threshold 5 %, z = 3, sigma the block medians' own noise: 1.4826 x the median of
-  |ln(m_i / m_i-1)| over the last 30 pairs of successive blocks, / sqrt(2) (a shift
-  of the level moves one difference only). On a quiet node d is the 5 %; on a
-  noisy one it grows, so that noise raises no event.
-- With x = ln(block median / level) and k = d / 2, the upper sum
-  S+ = max(0, S+ + x - k) and the lower S- = max(0, S- - x - k). A sum above h = 2 d
-  raises an alarm; the change point is the first block after the sum was last 0.
-  The alarm is confirmed once ``confirm_blocks`` (3) blocks lie past the change
-  point and the median of the last 3 (the new level) is at least d away from the
-  level; otherwise the sums restart. The change point is then the first block of
-  the run that is at least d / 2 away.
-- Healthy, a confirmed rise is a ``fail_slow`` event and the new level is the slow
-  one; a confirmed fall makes the new level the baseline (a job that sped up, e.g.
-  after warm-up), with no event. Slow, a confirmed fall back within ``threshold`` of
-  the baseline is a ``recovered`` event; a confirmed change elsewhere moves the slow
-  level (a further rise is another ``fail_slow`` event).
+- Level: healthy, the median of the last ``level_blocks`` (30, ~1 min) healthy
+  blocks (at least ``baseline_blocks``, 5): a slow wander of the job is followed,
+  not reported. Blocks of a shift that is building (a sum above d) are kept apart
+  until it is confirmed or dropped, so that a change never becomes its own level.
+- Noise: sigma = 1.4826 x the median of |ln(m_i / m_i-1)| over the last 30 pairs of
+  successive healthy blocks, / sqrt(2) (a shift of the level moves one difference
+  only). The smallest shift reported is d = max(ln(1 + threshold), z x sigma),
+  threshold 5 %, z = 3: 5 % on a quiet node, more on a noisy one. No alarm before
+  ``noise_blocks`` (10) differences are in.
+- With x = ln(m / level) and k = d / 2, S+ = max(0, S+ + x - k) and
+  S- = max(0, S- - x - k); a sum above 2 d raises an alarm. The change point is the
+  first block of the run's last stretch of blocks nearer the new level (the median
+  of the last ``confirm_blocks``, 3) than the old. The alarm is confirmed once the
+  blocks since the change point cover ``confirm_s`` (15 s: sustained) and their
+  median is at least d from the level; if the last blocks are back within d / 2,
+  the sums restart.
+- Healthy, a confirmed rise is a ``fail_slow`` event (the level before it is kept as
+  the baseline); a confirmed fall is a new level (a job that sped up), no event.
+  Slow, a fall back within d of the baseline (or below it) is a ``recovered`` event; a further
+  rise is another ``fail_slow`` event; any other confirmed change moves the slow
+  level.
 
-At ~100 ms steps (20-iteration blocks), a 30 % rise is confirmed ~3 blocks (6 s)
-after it starts (once the first 30 s and the 5 baseline blocks are past). The event
-names the time, the before/after means, each rank's compute and wait before and
-after, the phases whose time moved and the interval fields (memory, GPU
-utilization, power, throttling) that changed. Phases and
-fields come from the iteration_logs entries on either side of the change (since
-the previous event, until the next), filled in by ``resolve`` once 3 entries with
-phases exist on each side: with stack samples in bursts few entries have
-phases, so ``wants_samples`` asks the session to sample continuously for up to
-``boost_s`` (30 s) after a detection.
+At ~100 ms steps (20-iteration blocks), a 30 % rise is confirmed ~15-20 s after it
+starts (once the first 30 s and ~15 blocks are past). The event names the time,
+the before/after means, each rank's compute and wait before and after, the phases
+whose time moved and the interval fields (memory, GPU utilization, power,
+throttling) that changed. Phases and fields come from the iteration_logs entries
+on either side of the change (since the previous event, until the next), filled in
+by ``resolve`` once 3 entries with phases exist on each side: with stack samples in
+bursts few entries have phases, so ``wants_samples`` asks the session to sample
+continuously for up to ``boost_s`` (30 s) after a detection.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections import deque
@@ -53,6 +54,7 @@ from typing import Any
 
 from perfmon.agent.reducers.ranks import MAD_TO_SIGMA, RankTimes
 
+MAX_EVENTS = 500  # the most recent kept
 # Interval entry fields that are the step itself, not the state around it.
 _NOT_STATE = {"end_monotonic_ns", "iteration", "timestamp", "step_time_ms", "TFLOPS_per_GPU",
               "tokens_per_sec", "samples_per_sec", "kept_one_in", "phases", "ranks"}
@@ -65,7 +67,10 @@ class FailSlowRule:
     min_block: int = 5
     max_block: int = 50
     baseline_blocks: int = 5
+    level_blocks: int = 30
+    noise_blocks: int = 10
     confirm_blocks: int = 3
+    confirm_s: float = 15.0
     z: float = 3.0
     boost_s: float = 30.0
     settle_s: float = 30.0
@@ -86,7 +91,6 @@ class FailSlow:
         self.events: list[dict[str, Any]] = []
         self.new_events: list[dict[str, Any]] = []  # for live lines
         self.block: int | None = None  # iterations per block, once known
-        self._first: list[int] = []  # step times before the block size is known
         self._current: list[tuple[int, int]] = []  # (end, step) of the block being filled
         self._blocks: list[tuple[int, int, float]] = []  # (start, end, median step ns)
         self.baseline: float | None = None  # ns
@@ -94,28 +98,29 @@ class FailSlow:
         self.slow = False
         self._up = self._down = 0.0
         self._up_from = self._down_from = 0  # index in _blocks of the change point
-        self._since_reset = 0  # the first block the sums cover
-        self._noise: deque[float] = deque(maxlen=30)  # ln ratios of successive blocks
+        # The last healthy blocks (their median is the level) and their x: the noise.
+        self._healthy: deque[float] = deque(maxlen=self.rule.level_blocks)
+        self._noise: deque[float] = deque(maxlen=self.rule.level_blocks)
+        self._pending: list[float] = []  # block medians while a shift builds
 
     @property
     def shift(self) -> float:
         """d: the smallest shift reported (log units)."""
         floor = math.log1p(self.rule.threshold)
-        if len(self._noise) < 4:
+        if not self._noise:
             return floor
-        # From successive differences: a shift of the level moves one of them only.
+        # From successive blocks: a shift of the level moves one difference only.
         sigma = MAD_TO_SIGMA * statistics.median(abs(x) for x in self._noise) / math.sqrt(2)
         return max(floor, self.rule.z * sigma)
 
     def on_iteration(self, end_ns: int, step_ns: int) -> None:
         if end_ns - step_ns < self.settled_ns:
             return
-        if self.block is None:
-            self._first.append(step_ns)
+        if self.block is None:  # sized on the median of the first 10 steps
             self._current.append((end_ns, step_ns))
-            if len(self._first) < 10:
+            if len(self._current) < 10:
                 return
-            median = statistics.median(self._first)
+            median = statistics.median(s for _, s in self._current)
             self.block = min(self.rule.max_block, max(
                 self.rule.min_block, round(self.rule.block_s * 1e9 / max(median, 1))))
             pending, self._current = self._current, []
@@ -138,59 +143,84 @@ class FailSlow:
             del self._blocks[:drop]
             self._up_from = max(0, self._up_from - drop)
             self._down_from = max(0, self._down_from - drop)
-            self._since_reset = max(0, self._since_reset - drop)
         self._on_block()
 
     def _on_block(self) -> None:
         rule = self.rule
-        if self.baseline is None:
-            if len(self._blocks) >= rule.baseline_blocks:
-                first = self._blocks[-rule.baseline_blocks:]
-                self.baseline = self.level = statistics.median(m for _, _, m in first)
-                self._noise.extend(math.log(b[2] / a[2]) for a, b in itertools.pairwise(first))
-                self._reset()
-            return
-        assert self.level is not None
         i = len(self._blocks) - 1
-        x = math.log(self._blocks[i][2] / self.level)
+        m = self._blocks[i][2]
+        if not self.slow:
+            if len(self._healthy) < rule.baseline_blocks:
+                self._healthy.append(m)
+                return
+            # Healthy, the level follows the job: the median of the last healthy blocks.
+            self.baseline = self.level = statistics.median(self._healthy)
+        assert self.level is not None and self.baseline is not None
+        x = math.log(m / self.level)
         d = self.shift
+        if i and not self.slow:
+            self._noise.append(math.log(m / self._blocks[i - 1][2]))
+        if len(self._noise) < rule.noise_blocks:  # the noise is not known yet: no alarm
+            self._healthy.append(m)
+            return
         if self._up == 0:
             self._up_from = i
         if self._down == 0:
             self._down_from = i
         self._up = max(0.0, self._up + x - d / 2)
         self._down = max(0.0, self._down - x - d / 2)
-        self._noise.append(math.log(self._blocks[i][2] / self._blocks[i - 1][2]))
+        if not self.slow:
+            # Blocks of a shift that is building are kept apart, so that a change
+            # never becomes the level it is measured against.
+            self._pending.append(m)
+            if max(self._up, self._down) <= d:
+                self._settle_pending()
         for sign, alarm, run_from in ((1, self._up > 2 * d, self._up_from),
                                       (-1, self._down > 2 * d, self._down_from)):
             if not alarm or i - run_from + 1 < rule.confirm_blocks:
                 continue
-            # The new level: the last blocks (the first ones may predate the change).
-            after = statistics.median(m for _, _, m in self._blocks[-rule.confirm_blocks:])
+            # The change point: the first block of the run's last stretch of blocks
+            # nearer the new level (the median of the last few) than the old one.
+            guess = statistics.median(b[2] for b in self._blocks[-rule.confirm_blocks:])
+            if sign * math.log(guess / self.level) < d / 2:
+                break  # the last blocks are back: what built the sum has passed
+            start = i
+            while start > run_from and (abs(math.log(self._blocks[start - 1][2] / guess))
+                                        < abs(math.log(self._blocks[start - 1][2]
+                                                       / self.level))):
+                start -= 1
+            if self._blocks[i][1] - self._blocks[start][0] < rule.confirm_s * 1e9:
+                continue  # not sustained (yet): the sums go on
+            recent = [b[2] for b in self._blocks[start:]]
+            after = statistics.median(recent)
             if sign * math.log(after / self.level) >= d:
-                # The change point: the first block of the run half-way there.
-                start = next(j for j in range(run_from, i + 1)
-                             if sign * math.log(self._blocks[j][2] / self.level) >= d / 2)
-                self._changed(start, after, d)
-            self._reset()
+                self._changed(start, after, d, recent)
+                self._pending.clear()
+            break
+        else:
             return
-
-    def _reset(self) -> None:
         self._up = self._down = 0.0
-        self._since_reset = len(self._blocks)
+        self._settle_pending()
 
-    def _changed(self, start: int, after: float, threshold: float) -> None:
+    def _settle_pending(self) -> None:
+        """The pending blocks were no change: into the level."""
+        if not self.slow:
+            self._healthy.extend(self._pending)
+        self._pending.clear()
+
+    def _changed(self, start: int, after: float, threshold: float, recent: list[float]
+                 ) -> None:
         assert self.level is not None and self.baseline is not None
         before = self.level
-        if after > before:  # slower (than the baseline, or than the slow level)
+        if after > before:  # slower (than the healthy level, or than the slow level)
             kind = "fail_slow"
-        elif self.slow and abs(math.log(after / self.baseline)) < threshold:
-            kind = "recovered"
-        elif not self.slow:  # faster than the baseline: the new baseline
-            self.baseline = self.level = after
-            return
+        elif self.slow and math.log(after / self.baseline) < threshold:
+            kind = "recovered"  # back within d of the baseline, or faster
         else:
-            self.level = after  # partly back: still slow, at a new level
+            if not self.slow:  # faster: the healthy level starts again from here
+                self._healthy.clear()
+                self._healthy.extend(recent)
+            self.level = after  # (slow: partly back, still slow at a new level)
             return
         change_ns, detected_ns = self._blocks[start][0], self._blocks[-1][1]
         before_from = self._blocks[max(0, start - 2 * self.rule.baseline_blocks)][0]
@@ -206,9 +236,14 @@ class FailSlow:
             "phases": None, "state": None,
         }
         self.events.append(event)
+        if len(self.events) > MAX_EVENTS:
+            del self.events[0]
         self.new_events.append(event)
         self.slow = kind == "fail_slow"
-        self.level = after if self.slow else self.baseline
+        self.level = after
+        if not self.slow:  # recovered: healthy again, from the blocks just seen
+            self._healthy.clear()
+            self._healthy.extend(recent)
 
     def _ranks(self, before_from: int, change_ns: int) -> list[dict[str, Any]]:
         """Each rank's compute and wait before and after the change (its recent ends)."""

@@ -23,13 +23,15 @@ median absolute deviation, rank r is *outlying* when
 (k = 3, min_share = 10 %, min_ms = 1 ms). Outlying at ``hold`` (6) evaluations in a row
 and for ``hold_s`` (10 s) makes it a straggler (an episode dated from the first of
 them); not outlying at ``hold`` in a row closes the episode. The delay it imposes on the job is its
-excess compute, c_r - ref, the median over the episode. Ranks whose last end is
+excess compute, c_r - ref, the median over the episode (its last 1000 evaluations).
+The summary keeps the last 500 episodes. Ranks whose last end is
 older than 10 median steps (exited, hung) are left out of the comparison. At ~100 ms
 steps a straggler is named ~15 s after it starts (a 50-iteration window, then 10 s).
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAD_TO_SIGMA = 1.4826
+MAX_EPISODES = 500  # the most recent kept (a week of a flapping rank stays bounded)
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class _Rank:
     wait_pending_ns: int = 0  # wait in the iteration in progress
     cuda_sync_ns: int | None = None  # the last step snapshot's cumulative sync wait
     # (end, step, wait) of the last iterations; sums over all and since the last interval
-    recent: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=256))
+    # (enough for the minute around a fail-slow change at 15 ms steps)
+    recent: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=4096))
     n: int = 0
     step_ns: int = 0
     wait_ns: int = 0
@@ -71,6 +75,11 @@ class _Rank:
     cpu: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=64))
     outlying: int = 0  # evaluations in a row (negative: not outlying)
     outlying_since: int = 0  # the first of them
+
+
+def _last(items: deque[tuple[int, int, int]], n: int) -> list[tuple[int, int, int]]:
+    """The last ``n`` of a deque, without copying the rest."""
+    return list(itertools.islice(reversed(items), n))
 
 
 class RankTimes:
@@ -114,9 +123,7 @@ class RankTimes:
                 return  # entered before attach
             r.depth[record["tid"]] = depth - 1
             if depth == 1:
-                r.open_threads -= 1
-                if r.open_threads == 0:
-                    r.wait_pending_ns += t - r.open_since
+                self._thread_left_wait(r, t)
         elif kind == "backward_enter":
             r.backwards_since_end += 1
             r.backward_seen = True
@@ -125,13 +132,17 @@ class RankTimes:
             # (a return probe attached just after the call began) ends here.
             if r.depth.get(record["tid"]):
                 r.depth[record["tid"]] = 0
-                r.open_threads -= 1
-                if r.open_threads == 0:
-                    r.wait_pending_ns += t - r.open_since
+                self._thread_left_wait(r, t)
             if r.backward_seen and r.backwards_since_end == 0:
                 return
             r.backwards_since_end = 0
             self._end(r, t)
+
+    @staticmethod
+    def _thread_left_wait(r: _Rank, t: int) -> None:
+        r.open_threads -= 1
+        if r.open_threads == 0:
+            r.wait_pending_ns += t - r.open_since
 
     def on_cuda(self, record: dict[str, Any]) -> None:
         if not record.get("at_step"):
@@ -174,13 +185,13 @@ class RankTimes:
     def _evaluate(self, now: int) -> None:
         rule = self.rule
         primary = self._ranks[self.primary_pid]
-        median_step = statistics.median(s for _, s, _ in primary.recent)
+        median_step = statistics.median(s for _, s, _ in _last(primary.recent, rule.window))
         current: dict[int, tuple[float, float, float]] = {}  # pid -> compute, wait, step (ns)
         for r in self._ranks.values():
             if (len(r.recent) < rule.window // 2 or r.last_end is None
                     or now - r.last_end > 10 * median_step):
                 continue
-            last = list(r.recent)[-rule.window:]
+            last = _last(r.recent, rule.window)
             current[r.pid] = (statistics.median(s - w for _, s, w in last),
                               statistics.median(w for _, _, w in last),
                               statistics.median(s for _, s, _ in last))
@@ -229,10 +240,14 @@ class RankTimes:
             "others_compute_ms": statistics.median(c for c, _, _ in others) / 1e6,
             "others_wait_ms": statistics.median(w for _, w, _ in others) / 1e6,
             "differs": self._differs(r.pid, list(current)),
-            "_delays": [compute - statistics.median(c for c, _, _ in others)],
+            # The excess at each evaluation (the last 1000: bounded over long episodes).
+            "_delays": deque([compute - statistics.median(c for c, _, _ in others)],
+                             maxlen=1000),
         }
         self._open[r.pid] = episode
         self.episodes.append(episode)
+        if len(self.episodes) > MAX_EPISODES:
+            del self.episodes[0]
         self.new_events.append({"event": "straggler", **self._public(episode)})
 
     def _close_episode(self, r: _Rank, now: int) -> None:

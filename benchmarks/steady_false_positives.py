@@ -1,0 +1,87 @@
+"""False positives of the straggler and fail-slow detectors on a steady job.
+
+Runs a steady 2-rank torchrun job (gloo, CPU, DDP; nothing slowed) under
+`perfmon-agent attach` for --minutes, then counts the straggler episodes and
+fail-slow events the summary holds (the first 30 s after attach are never looked
+at by the fail-slow detector) and reports them per hour of monitoring, with the
+noise the detector measured (min_shift_pct of any event, else replayed from the
+event log) and the step time's spread.
+
+    .venv/bin/python benchmarks/steady_false_positives.py --minutes 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_GPT = ROOT / "tests" / "targets" / "train_gpt.py"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=20.0)
+    p.add_argument("--port", type=int, default=29591)
+    args = p.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="perfmon-steady-"))
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(args.port), str(TRAIN_GPT), "--ddp"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        time.sleep(10)
+        run = subprocess.run(
+            [sys.executable, "-m", "perfmon.agent.cli", "attach", "--pid", str(job.pid),
+             "--duration", str(args.minutes * 60), "--output-dir", str(folder)],
+            capture_output=True, text=True, check=False, cwd=ROOT)
+    finally:
+        # The ranks run in sessions of their own: kill the whole tree.
+        try:
+            tree = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for proc in tree:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=30)
+    if run.returncode != 0:
+        print(run.stderr, file=sys.stderr)
+        return 1
+    (path,) = folder.glob("perf_summary_*.json")
+    summary = json.loads(path.read_text())
+    stats = summary["final_statistics"]
+    hours = (summary["session_info"]["detach_monotonic_ns"]
+             - summary["session_info"]["attach_monotonic_ns"]) / 3.6e12
+    steps = [e["step_time_ms"] for e in summary["iteration_logs"]]
+    print(f"steady 2-rank job watched {hours * 60:.1f} min, "
+          f"{stats['measured_iterations']} iterations, step {stats['avg_step_time_ms']:.1f} ms "
+          f"(interval means: median {statistics.median(steps):.1f}, "
+          f"p5..p95 {sorted(steps)[len(steps) // 20]:.1f}..{sorted(steps)[-len(steps) // 20]:.1f})")
+    print(f"fail-slow events: {len(stats['fail_slow'])} "
+          f"({len(stats['fail_slow']) / hours:.2f} per hour)")
+    for e in stats["fail_slow"]:
+        print(f"  {e['event']} at {e['timestamp']}: {e['before_step_time_ms']:.1f} -> "
+              f"{e['after_step_time_ms']:.1f} ms (min shift {e['min_shift_pct']:.1f} %)")
+    print(f"straggler episodes: {len(stats['stragglers'])} "
+          f"({len(stats['stragglers']) / hours:.2f} per hour)")
+    for e in stats["stragglers"]:
+        print(f"  rank {e['rank']} {e['since']} .. {e['until']}: "
+              f"+{e['delay_ms_per_step']:.1f} ms/step")
+    print(f"(files in {folder})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
