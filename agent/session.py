@@ -232,9 +232,6 @@ class MonitorSession:
                               f"{model.description['problem']} (give --model-config)")
             pids = [t.pid for t in targets]
             health = self._health_check(pids) if opts.health_check else None
-            # The window opens before the first source starts, so that every record
-            # (a py-spy span, a GPU sample) lies inside it.
-            start = monotonic_ns(), datetime.now().astimezone()
             gpu = started(stack, GpuSource(pids, opts.gpu_interval_s), self._warning)
             assert isinstance(gpu, GpuSource)
             first_gpu_records = gpu.poll()
@@ -269,19 +266,22 @@ class MonitorSession:
             }
             dumps = BackgroundCalls("perfmon-hang-dump")
             stack.callback(dumps.close)
-            live = self._begin(out, targets, sources, start, stacks=stacks, workload=workload,
+            live = self._begin(out, targets, sources, stacks=stacks, workload=workload,
                                facts_extra=facts_extra, dumps=dumps)
             for record in first_gpu_records:
                 self._log(live, record.to_record())
             return live
 
-    def _begin(self, out: OutputDir, targets: list[TargetProcess], sources: list[Source],
-               start: tuple[int, datetime], *, stacks: StackSource | None,
-               workload: Workload, facts_extra: dict[str, Any], dumps: BackgroundCalls) -> _Live:
-        """Start the window: the facts, the summarizer, the files and the session_start."""
+    def _begin(self, out: OutputDir, targets: list[TargetProcess], sources: list[Source], *,
+               stacks: StackSource | None, workload: Workload, facts_extra: dict[str, Any],
+               dumps: BackgroundCalls) -> _Live:
+        """Start the window: the facts, the summarizer, the files and the session_start.
+
+        It opens once every source has started, so that every iteration in it is seen;
+        stack samples and GPU samples may begin a little before it."""
         opts = self.options
         primary = targets[0]
-        start_ns, start_wall = start
+        start_ns, start_wall = monotonic_ns(), datetime.now().astimezone()
         facts = {
             "start_time": start_wall.isoformat(),
             "attach_monotonic_ns": start_ns,

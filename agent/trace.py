@@ -260,8 +260,11 @@ class _Log:
 
     def _on_phase(self, record: dict[str, Any]) -> None:
         r = self._rank(record["pid"])
-        start, end = max(record["t_mono_ns"], r.phase_end), record["end_mono_ns"]
-        if start > record["t_mono_ns"]:
+        # Stacks are sampled from before the window opens (the iteration probes attach
+        # last): spans are cut to the window.
+        begin = max(record["t_mono_ns"], self.attach_ns)
+        start, end = max(begin, r.phase_end), record["end_mono_ns"]
+        if start > begin:
             r.phase_overlaps += 1
         if end <= start:
             return

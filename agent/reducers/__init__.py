@@ -96,13 +96,21 @@ class Summarizer:
         if record["type"] == "session_end":
             done = self.intervals.finalize(record["t_mono_ns"], True)
             self.failslow.resolve(self.intervals.entries, True)
-            return done
+            return self._numbered(done)
         if not self.intervals.waiting:  # (an attribute: this runs for every record)
             return []
         done = self.intervals.finalize(record["t_mono_ns"], False)
         if done:
             self.failslow.resolve(self.intervals.entries, False)
-        return done
+        return self._numbered(done)
+
+    def _numbered(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Entries as the job numbers its iterations, with the best offset known now:
+        they are kept with our own count, as later reads of the job's counter may
+        correct the offset."""
+        offset = self.clock.job.offset
+        return [{**e, "iteration": e["iteration"] + offset} for e in entries] if offset else (
+            entries)
 
     def _on_marker(self, record: dict[str, Any]) -> None:
         self.ranks.on_marker(record)
@@ -141,7 +149,7 @@ class Summarizer:
 
     @property
     def iteration_logs(self) -> list[dict[str, Any]]:
-        return self.intervals.entries
+        return self._numbered(self.intervals.entries)
 
     @property
     def iterations_ended(self) -> int:

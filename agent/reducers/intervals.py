@@ -92,7 +92,6 @@ class Intervals:
             self.phases.record(per_phase, count)
             self.phases.prune(end)
             entry["phases"] = PhaseAccount.breakdown(per_phase, count)
-            entry["iteration"] += self.clock.job.offset or 0
             self._append(entry)
             done.append(entry)
         return done

@@ -235,7 +235,8 @@ class JobNumbering:
 
         The most frequent exact offset of reads late in a step, else of reads
         early in one (which can race the job's increment), else the middle of the
-        intersected bounds.
+        intersected bounds. iteration_logs entries take the offset known when the
+        summary is written (Summarizer), so a later, better read renumbers them all.
         """
         for offsets in (self._offsets, self._early):
             if offsets:
