@@ -222,17 +222,26 @@ class MemorySource(Source):
         self.errors = 0
         self._start_ns = 0
         self._next_ns = 0
+        self._first: list[Record] = []
 
     def _start(self) -> None:
-        self._start_ns = self._next_ns = monotonic_ns()
+        self._start_ns = monotonic_ns()
+        self._next_ns = self._start_ns + self.interval_ns
+        # One sample now, before the session's window opens: its first log interval
+        # (which may end before the first poll) has a memory figure.
+        self._first = self._sample(self._start_ns)
 
     def _poll(self) -> list[Record]:
+        first, self._first = self._first, []
         now = monotonic_ns()
         if now < self._next_ns:
-            return []
+            return first
         # Drift-free: next = start + k * interval, skipping slots missed while busy.
         k = (now - self._start_ns) // self.interval_ns + 1
         self._next_ns = self._start_ns + k * self.interval_ns
+        return first + self._sample(now)
+
+    def _sample(self, now: int) -> list[Record]:
         samples: list[Record] = []
         for pid in self.pids:
             try:

@@ -39,7 +39,7 @@ def test_two_nodes_merge_into_the_documented_job_summary(agent, start_target, tm
     procs = []
     for target, out in zip((fast, slow), outs, strict=True):
         out.mkdir()
-        procs.append(agent.start("attach", "--pid", str(target.pid), "--duration", "10",
+        procs.append(agent.start("attach", "--pid", str(target.pid), "--duration", "7",
                                  "--log-interval", "5", "--model-config", str(batch),
                                  "--output-dir", str(out)))
     for proc in procs:
