@@ -357,10 +357,21 @@ def test_sighup_reloads_the_config_and_sigterm_finalizes_within_10_s(
 
 
 def test_a_job_in_another_pid_namespace_is_found_with_host_pids(
-        service: Service, jobs: Jobs) -> None:
+        tmp_path: Path, jobs: Jobs) -> None:
+    # A service of its own: the module's is stopped by the SIGTERM test before this.
+    (tmp_path / "serve").mkdir()
+    service = Service(tmp_path / "serve")
+    try:
+        _pid_namespace_job(service, jobs)
+    finally:
+        service.close()
+
+
+def _pid_namespace_job(service: Service, jobs: Jobs) -> None:
     # As a container runtime would start it: a pid namespace of its own (pid 1 inside).
+    # Long enough (400 iterations) to be found and attached on a busy machine.
     outer = jobs.start(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
-                        str(TRAIN_GPT), "--train-iters", "150", "--tag", TAG])
+                        str(TRAIN_GPT), "--train-iters", "400", "--tag", TAG])
     job_pid = wait_for(lambda: next((c.pid for c in psutil.Process(outer.pid).children(True)
                                      if "train_gpt" in " ".join(c.cmdline())), None), 30,
                        "the job inside its namespace")

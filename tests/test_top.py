@@ -25,8 +25,12 @@ from tests.conftest import wait_for
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
 ROWS, COLS = 40, 160
 # A new session whose controlling terminal is stdin, then the program itself (exec).
-CONTROLLING_TTY = ("import fcntl, os, sys, termios; os.setsid(); "
-                   "fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.argv[1], sys.argv[1:])")
+# As a user's shell starts it: a session with the pty as its controlling terminal, and
+# SIGINT at its default (a test run started in the background inherits it ignored).
+CONTROLLING_TTY = ("import fcntl, os, signal, sys, termios; os.setsid(); "
+                   "fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                   "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.argv[1], sys.argv[1:])")
 
 
 class Terminal:
