@@ -412,23 +412,16 @@ _NAME_ARG = re.compile(rb' name="(.*)"', re.S)
 
 def parse_trace_line(line: bytes) -> TraceLine | None:
     """A uprobe event line of trace_pipe (without its newline), or None for any other line."""
-    m = _CONTEXT.fullmatch(line, _COMM_WIDTH)
-    if m is None:
-        return None
-    tid, tgid, seconds, micros, event, args = m.groups()
-    return TraceLine(
-        tid=int(tid),
-        tgid=int(tgid) if tgid and tgid.isdigit() else None,
-        t_mono_ns=int(seconds) * 1_000_000_000 + int(micros) * 1000,
-        event=event.decode("ascii"),
-        args=args,
-    )
+    return _trace_line(_CONTEXT.fullmatch(line, _COMM_WIDTH))
 
 
 def parse_event_line(line: bytes) -> TraceLine | None:
     """Any event line of trace_pipe (a tracepoint's too), or None for another line;
     ``args`` holds what follows the event's name (``b"pid=1973 comm=python ..."``)."""
-    m = _ANY_EVENT.fullmatch(line, _COMM_WIDTH)
+    return _trace_line(_ANY_EVENT.fullmatch(line, _COMM_WIDTH))
+
+
+def _trace_line(m: re.Match[bytes] | None) -> TraceLine | None:
     if m is None:
         return None
     tid, tgid, seconds, micros, event, args = m.groups()

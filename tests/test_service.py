@@ -26,7 +26,7 @@ import jsonschema
 import psutil
 import pytest
 
-from tests.conftest import SUMMARY_SCHEMA, TRAIN_GPT, _reap
+from tests.conftest import SUMMARY_SCHEMA, TRAIN_GPT, _reap, wait_for
 from tests.prom import Prometheus, free_port, get, tool, wait_until
 
 pytestmark = pytest.mark.usefixtures("ebpf")
@@ -113,17 +113,6 @@ class Service:
         self._listener.join()
         self.notify.close()
         print(self.log()[-5000:])  # shown with a failing test
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def record(folder: Path) -> dict[str, Any]:
