@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,6 +132,41 @@ def start_target(tmp_path: Path) -> Iterator:
     yield start
     for proc in started:
         _reap(proc)
+
+
+@pytest.fixture(scope="session")
+def _shared_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    """One plain training job for the tests that only watch a running job: a job takes
+    ~4 s to start on this machine. It is stopped (SIGSTOP) between those tests, so it
+    takes no CPU from the others."""
+    stamps = tmp_path_factory.mktemp("shared_job") / "stamps.txt"
+    proc = subprocess.Popen([sys.executable, str(TRAIN_GPT), "--timestamps", str(stamps)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        target = Target(proc, stamps)
+        target.wait_for_iterations(2)
+        os.kill(proc.pid, signal.SIGSTOP)
+        yield target
+    finally:
+        _reap(proc)
+
+
+@pytest.fixture
+def steady_target(_shared_job: Target) -> Iterator[Target]:
+    """A running plain training job (train_gpt.py with its defaults), shared by the
+    tests that neither end it nor need its first iterations. It resumes for the test
+    and has made two more steps by then, so the step that spanned its pause is over."""
+    target = _shared_job
+    if target.proc.poll() is not None:
+        raise AssertionError(f"the shared job exited with {target.proc.returncode}")
+    os.kill(target.pid, signal.SIGCONT)
+    try:
+        target.wait_for_iterations(len(target.timestamps()) + 2)
+        yield target
+    finally:
+        if target.proc.poll() is None:
+            os.kill(target.pid, signal.SIGSTOP)
 
 
 @pytest.fixture

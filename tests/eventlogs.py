@@ -3,6 +3,8 @@ and benchmark: the same facts, the same record shapes, any length."""
 
 from __future__ import annotations
 
+import itertools
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -140,3 +142,88 @@ def write_log(path: Path, iterations: int = 50, **kw: Any) -> Path:
     with open(path, "wb") as f:
         write(f, records(iterations, **kw))
     return path
+
+
+_SENTINEL = 0xF0F0_0000_0000_0000  # + k: the k-th varying integer of a template
+
+
+class _Template:
+    """Records packed once with their varying integers as sentinels (``_SENTINEL + k``
+    for the k-th value), each encoded as a fixed-width uint64 (msgpack's 0xcf), so a
+    copy is patched in place. Decoded, a patched copy equals the records packed afresh
+    (msgpack accepts wide encodings of small integers); only the size differs."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        data = b"".join(msgpack.packb(r) for r in records)
+        holes: list[tuple[int, int]] = []  # (offset of the 8 bytes, value index)
+        while True:
+            k = len({index for _, index in holes})
+            tag = b"\xcf" + struct.pack(">Q", _SENTINEL + k)
+            at = data.find(tag)
+            if at < 0:
+                break
+            while at >= 0:
+                holes.append((at + 1, k))
+                at = data.find(tag, at + 1)
+        holes.sort()
+        self.order = [k for _, k in holes]
+        ends = [0] + [off + 8 for off, _ in holes]
+        self.segments = [data[a:off] for a, (off, _) in zip(ends, holes, strict=False)]
+        self.tail = data[ends[-1]:]
+
+    def patched(self, values: list[int]) -> bytes:
+        packed = [v.to_bytes(8, "big") for v in values]
+        filled = [packed[k] for k in self.order]
+        pairs = zip(self.segments, filled, strict=True)
+        return b"".join(itertools.chain.from_iterable(pairs)) + self.tail
+
+
+def write_node_log(stream: BinaryIO, iterations: int, *, ranks: int = 8,
+                   step_ns: int = 500_000_000, log_interval: int = 10) -> int:
+    """The records of ``node_records`` (same values, in the same order), written ~10x
+    faster, for big logs: an iteration's records, and a second's samples, are patched
+    copies of one template each."""
+    pids = [PID + r for r in range(ranks)]
+    v = [_SENTINEL + k for k in range(12)]
+    first = next(node_records(0, ranks=ranks, step_ns=step_ns, log_interval=log_interval))
+    second = _Template([{"type": "gpu", "t_mono_ns": v[0],
+                         "gpus": [_gpu(g, v[0], pids) for g in range(ranks)]}]
+                       + [{"type": "process", "t_mono_ns": v[0], "pid": pid,
+                           "rss_bytes": 20 << 30, "peak_rss_bytes": 24 << 30} for pid in pids])
+    # Values 0..6: the instants at these percent of the step; 7..11: the CUDA counters.
+    points = (0, 5, 40, 90, 91, 99, 100)
+    at = {p: v[k] for k, p in enumerate(points)}
+    step = [{"type": "phase", "t_mono_ns": at[a], "end_mono_ns": at[b], "pid": PID,
+             "phase": span}
+            for span, (a, b) in zip(("data_loading", "forward", "backward", "optimizer"),
+                                    ((0, 5), (5, 40), (40, 90), (90, 100)), strict=True)]
+    for pid in pids:
+        step += [
+            {"type": "marker", "t_mono_ns": at[40], "pid": pid, "tid": pid,
+             "kind": "backward_enter", "name": ""},
+            {"type": "marker", "t_mono_ns": at[90], "pid": pid, "tid": pid,
+             "kind": "backward_exit", "name": ""},
+            {"type": "cuda", "t_mono_ns": at[91], "pid": pid, "at_step": True,
+             "kernel_launches": v[7], "sync_wait_ns": v[8], "graph_launches": 0,
+             "nccl_calls": dict.fromkeys(NCCL_KEYS, v[9]),
+             "nccl_bytes": dict.fromkeys(NCCL_KEYS, v[10]), "runtime_launches": v[7],
+             "driver_launches": 0, "forwarded_launches": v[7], "sync_calls": v[11],
+             "sync_untracked": 0, "nccl_unknown_dtype_calls": 0},
+            {"type": "marker", "t_mono_ns": at[91], "pid": pid, "tid": pid,
+             "kind": "optimizer_step", "name": "Optimizer.step#AdamW.step"},
+            {"type": "marker", "t_mono_ns": at[99], "pid": pid, "tid": pid,
+             "kind": "zero_grad", "name": "Optimizer.zero_grad#AdamW.zero_grad"}]
+    iteration = _Template(step)
+    total = stream.write(msgpack.packb(first))
+    next_second = START_NS
+    for i in range(iterations):
+        t = START_NS + i * step_ns
+        while next_second <= t:
+            total += stream.write(second.patched([next_second]))
+            next_second += 1_000_000_000
+        total += stream.write(iteration.patched(
+            [t + step_ns * p // 100 for p in points]
+            + [3000 * (i + 1), 2_000_000 * (i + 1), i * 2, i * 2 << 20, i * 4]))
+    end = {"type": "session_end", "t_mono_ns": START_NS + iterations * step_ns,
+           "reason": "duration"}
+    return total + stream.write(msgpack.packb(end))

@@ -38,9 +38,9 @@ def in_window(stamps: list[tuple[int, int]], info: dict) -> list[int]:
 
 
 def test_step_time_and_iteration_count_match_the_targets_own_timestamps(
-    start_target, agent, out_dir, tmp_path
+    steady_target, agent, out_dir, tmp_path
 ):
-    target = start_target()
+    target = steady_target
     (tmp_path / "model.yaml").write_text(MODEL_YAML + "global_batch_size: 4\n")
     run = agent.run("attach", "--pid", str(target.pid), "--duration", "6",
                     "--log-interval", "10", "--output-dir", str(out_dir),
@@ -118,10 +118,10 @@ def test_target_that_exits_mid_run_leaves_a_complete_summary(
 def test_summarize_rebuilds_the_summary_of_a_sigkilled_agent(
     start_target, agent, out_dir
 ):
-    target = start_target("--train-iters", "500", "--after-train", "sleep")
+    target = start_target("--train-iters", "300", "--after-train", "sleep")
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
                        "--log-interval", "7")
-    target.wait_for_iterations(500)
+    target.wait_for_iterations(300)
     # The live summary is refreshed at least every 5 s: wait until it holds every step.
     live = wait_for(
         lambda: (s := _try_summary(out_dir)) and _all_done(s, target) and s,
@@ -164,8 +164,8 @@ def _all_done(summary, target) -> bool:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_signal_ends_the_session_cleanly(start_target, agent, out_dir, signum):
-    target = start_target()
+def test_signal_ends_the_session_cleanly(steady_target, agent, out_dir, signum):
+    target = steady_target
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir))
     wait_for(lambda: (s := _try_summary(out_dir)) and s["session_info"]["total_iterations"] > 20,
              timeout_s=30, what="iterations in the live summary")
@@ -198,14 +198,14 @@ def test_tokens_and_samples_per_second_need_only_the_batch_and_sequence_length(
     assert summary["session_info"]["model"]["global_batch_size"] == "given"
 
 
-def test_probing_writes_nothing_into_the_target(start_target):
+def test_probing_writes_nothing_into_the_target(steady_target):
     """bcc 0.26's Python passes no ref_ctr_offset to libbcc, whose 7th argument then takes
     whatever the stack holds, and the kernel increments a counter at that offset of the
     library in the target's memory. The agent passes 0: the mapped library stays as on disk."""
     from perfmon.probes.procfs import inspect_process
     from perfmon.probes.uprobes import MarkerProbe
 
-    target = start_target()
+    target = steady_target
     process = inspect_process(target.pid)
     mapping = process.torch_mapping
     span = 1 << 20  # the ELF headers and the first code pages

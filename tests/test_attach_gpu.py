@@ -19,9 +19,9 @@ MODEL = ("num_layers: 2\nhidden_size: 128\nnum_attention_heads: 4\nseq_length: 6
 
 
 def test_gpu_memory_per_rank_mfu_and_a_gpu_lost_mid_session(
-    fake_nvml, start_target, agent, out_dir, tmp_path
+    fake_nvml, steady_target, agent, out_dir, tmp_path
 ):
-    target = start_target()
+    target = steady_target
     scenario = tmp_path / "scenario"
     healthy = (
         "count=2\n"
@@ -73,9 +73,9 @@ def test_gpu_memory_per_rank_mfu_and_a_gpu_lost_mid_session(
 
 
 def test_without_a_driver_the_summary_says_so_and_cpu_mode_goes_on(
-    start_target, agent, out_dir
+    steady_target, agent, out_dir
 ):
-    target = start_target()
+    target = steady_target
     run = agent.run("attach", "--pid", str(target.pid), "--duration", "3",
                     "--output-dir", str(out_dir))
     assert run.returncode == 0, run.stderr
@@ -86,10 +86,10 @@ def test_without_a_driver_the_summary_says_so_and_cpu_mode_goes_on(
 
 
 def test_cpu_job_on_a_busy_gpu_host_gets_no_gpu_figures_and_no_mfu(
-    fake_nvml, start_target, agent, out_dir, tmp_path
+    fake_nvml, steady_target, agent, out_dir, tmp_path
 ):
     # Another user's process holds GPU 0; this job (a CPU job) is on no GPU.
-    target = start_target()
+    target = steady_target
     scenario = tmp_path / "scenario"
     write_scenario(scenario, "count=1\ngpu0.name=NVIDIA H100 80GB HBM3\n"
                              "gpu0.proc.4000000.used_bytes=1000000\n"

@@ -51,8 +51,8 @@ def test_python_process_without_pytorch(agent, idle_process, out_dir):
     assert_one_line(run, 3, f"pid {pid}", "PyTorch is not loaded")
 
 
-def test_missing_capabilities_are_named(agent, start_target, out_dir):
-    target = start_target()
+def test_missing_capabilities_are_named(agent, steady_target, out_dir):
+    target = steady_target
     # Root, but with an empty bounding set: no capability survives the exec.
     run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
                     "--iteration-source", "uprobe",
@@ -61,8 +61,8 @@ def test_missing_capabilities_are_named(agent, start_target, out_dir):
     assert not list(out_dir.iterdir())  # nothing written before the check
 
 
-def test_missing_bcc_says_what_to_install(start_target, out_dir):
-    target = start_target()
+def test_missing_bcc_says_what_to_install(steady_target, out_dir):
+    target = steady_target
     # A Python where `import bcc` fails, as on a host without python3-bpfcc.
     code = ("import sys; sys.modules['bcc'] = None; "
             "from perfmon.agent.cli import main; sys.exit(main())")
@@ -73,8 +73,8 @@ def test_missing_bcc_says_what_to_install(start_target, out_dir):
     assert_one_line(run, 5, "bcc", "apt-get install python3-bpfcc")
 
 
-def test_missing_kernel_headers_say_what_to_install(agent, start_target, out_dir, tmp_path):
-    target = start_target()
+def test_missing_kernel_headers_say_what_to_install(agent, steady_target, out_dir, tmp_path):
+    target = steady_target
     run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
                     "--iteration-source", "uprobe", "--probe-backend", "bcc",
                     env={"BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")})
@@ -107,10 +107,10 @@ def test_missing_model_config_file(agent, out_dir, tmp_path):
     assert_one_line(run, 2, "model.yaml", "no such file")
 
 
-def test_model_config_missing_a_required_field_names_it(agent, start_target, out_dir, tmp_path):
+def test_model_config_missing_a_required_field_names_it(agent, steady_target, out_dir, tmp_path):
     # Another source (the job's command line) could still supply a field, so
     # completeness is checked once every source is merged, against a real job.
-    target = start_target()
+    target = steady_target
     config = tmp_path / "model.yaml"
     config.write_text("num_layers: 2\nnum_attention_heads: 4\nseq_length: 8\nvocab_size: 10\n")
     run = agent.run("attach", "--pid", str(target.pid), "--model-config", str(config),
@@ -144,9 +144,9 @@ def test_summarize_of_a_file_that_is_not_an_event_log(agent, tmp_path):
 
 
 def test_auto_falls_back_to_pyspy_with_one_warning_when_uprobes_cannot_run(
-    agent, start_target, out_dir, tmp_path
+    agent, steady_target, out_dir, tmp_path
 ):
-    target = start_target()
+    target = steady_target
     # bcc is the only backend allowed here, and it lacks headers: iterations from py-spy.
     run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
                     "--duration", "3", "--probe-backend", "bcc",
@@ -159,8 +159,8 @@ def test_auto_falls_back_to_pyspy_with_one_warning_when_uprobes_cannot_run(
     assert any("uprobes unavailable" in w for w in info["warnings"])
 
 
-def test_no_ptrace_right_in_pyspy_mode_names_cap_sys_ptrace(agent, start_target, out_dir):
-    target = start_target()
+def test_no_ptrace_right_in_pyspy_mode_names_cap_sys_ptrace(agent, steady_target, out_dir):
+    target = steady_target
     run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
                     "--iteration-source", "pyspy",
                     prefix=("setpriv", "--bounding-set=-all", "--inh-caps=-all"))

@@ -255,8 +255,8 @@ def test_a_job_without_nccl_is_probed_for_cuda_and_says_nccl_is_not_counted(
     assert sum(last.nccl_calls.values()) == sum(last.nccl_bytes.values()) == 0
 
 
-def test_a_cpu_only_job_is_reported_unavailable_without_error(start_target):
-    target = start_target()  # train_gpt.py: PyTorch on CPU, no CUDA library mapped
+def test_a_cpu_only_job_is_reported_unavailable_without_error(steady_target):
+    target = steady_target  # train_gpt.py: PyTorch on CPU, no CUDA library mapped
     probe = CudaActivityProbe([inspect_process(target.pid)])
     probe.start()
     assert probe.available is False

@@ -18,7 +18,15 @@ JOB_SCHEMA = json.loads((ROOT / "docs" / "job_summary.schema.json").read_text())
 
 
 def relabel(summary_dir: Path, into: Path, host: str, job_id: str) -> dict:
+    """One session's summary as one node of a job. The two stand-in jobs started apart
+    (and the agent may or may not have read a job's own counter), so their iteration
+    numbers are shifted to start together, as one job's nodes do; the shift is a whole
+    number of log intervals, which keeps each entry on the grid."""
     summary = load_summary(summary_dir)
+    logs, grid = summary["iteration_logs"], summary["session_info"]["log_interval"]
+    shift = 1000 - logs[0]["iteration"] // grid * grid
+    for entry in logs:
+        entry["iteration"] += shift
     summary["session_info"]["host"] = host
     summary["session_info"]["job"] = {"id": job_id, "name": job_id, "id_from": "test",
                                       "host": host}

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import io
 import itertools
 import json
 import os
@@ -60,9 +62,9 @@ def _summary(out: Path) -> dict | None:
 
 
 def test_full_disk_keeps_measuring_says_so_once_and_writes_everything_once_space_returns(
-    start_target, agent, small_fs
+    steady_target, agent, small_fs
 ):
-    target = start_target()
+    target = steady_target
     out = small_fs / "out"
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out),
                        "--log-interval", "5", "--duration", "18")
@@ -92,9 +94,9 @@ def test_full_disk_keeps_measuring_says_so_once_and_writes_everything_once_space
 
 
 def test_output_that_stays_unwritable_ends_with_exit_7_naming_the_file(
-    start_target, agent, small_fs
+    steady_target, agent, small_fs
 ):
-    target = start_target()
+    target = steady_target
     out = small_fs / "out"
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out),
                        "--duration", "6")
@@ -113,9 +115,9 @@ def test_output_that_stays_unwritable_ends_with_exit_7_naming_the_file(
 
 
 def test_unwritable_output_dir_is_refused_before_anything_attaches(
-    start_target, agent, small_fs
+    steady_target, agent, small_fs
 ):
-    target = start_target()
+    target = steady_target
     (small_fs / "out").mkdir()
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
     started = time.monotonic()
@@ -127,9 +129,9 @@ def test_unwritable_output_dir_is_refused_before_anything_attaches(
 
 
 def test_closed_stdout_ends_the_session_quietly_and_keeps_the_summary(
-    start_target, agent, out_dir
+    steady_target, agent, out_dir
 ):
-    target = start_target()
+    target = steady_target
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
                        "--log-interval", "5")
     assert proc.stdout is not None
@@ -141,8 +143,8 @@ def test_closed_stdout_ends_the_session_quietly_and_keeps_the_summary(
     assert load_summary(out_dir)["session_info"]["end_reason"] == "stdout_closed"
 
 
-def test_json_into_a_closed_pipe_is_quiet(start_target, out_dir):
-    target = start_target()
+def test_json_into_a_closed_pipe_is_quiet(steady_target, out_dir):
+    target = steady_target
     agent_cmd = [sys.executable, "-m", "perfmon.agent.cli", "attach", "--pid", str(target.pid),
                  "--duration", "2", "--json", "--output-dir", str(out_dir)]
     done = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | head -c 10 >/dev/null',
@@ -200,8 +202,8 @@ def test_iteration_logs_are_thinned_evenly_and_marked_beyond_the_limit(tmp_path:
     assert summary["final_statistics"]["measured_iterations"] == 30_000
 
 
-def test_live_thinned_summary_equals_the_one_rebuilt_from_its_log(start_target, agent, out_dir):
-    target = start_target()
+def test_live_thinned_summary_equals_the_one_rebuilt_from_its_log(steady_target, agent, out_dir):
+    target = steady_target
     run = agent.run("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
                     "--duration", "5", "--log-interval", "2", "--max-log-entries", "8")
     assert run.returncode == 0, run.stderr
@@ -214,8 +216,8 @@ def test_live_thinned_summary_equals_the_one_rebuilt_from_its_log(start_target, 
 
 
 @pytest.mark.parametrize("signum", [signal.SIGHUP])
-def test_sighup_ends_the_session_like_sigterm(start_target, agent, out_dir, signum):
-    target = start_target()
+def test_sighup_ends_the_session_like_sigterm(steady_target, agent, out_dir, signum):
+    target = steady_target
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir))
     wait_for(lambda: (s := _summary(out_dir)) and s["session_info"]["total_iterations"] > 10,
              30, "iterations in the live summary")
@@ -304,9 +306,9 @@ def test_corrupt_bytes_in_the_middle_stop_reading_there_with_a_warning(tmp_path:
 
 def test_a_1_gib_log_is_rebuilt_in_flat_memory(tmp_path: Path):
     log = tmp_path / "perf_events_20261130_120000.msgpack"
-    iterations = (1 << 30) // 9_560
+    iterations = (1 << 30) // 10_200  # bytes an iteration takes in write_node_log
     with open(log, "wb", buffering=1 << 20) as f:
-        size = eventlogs.write(f, eventlogs.node_records(iterations))
+        size = eventlogs.write_node_log(f, iterations)
     assert size >= 1 << 30
     # VmHWM: this process's own peak (ru_maxrss would include the forking parent's,
     # which Linux carries across exec).
@@ -321,3 +323,14 @@ def test_a_1_gib_log_is_rebuilt_in_flat_memory(tmp_path: Path):
     summary = json.loads(done.stdout)
     assert summary["session_info"]["total_iterations"] == iterations
     assert summary["final_statistics"]["kernels_per_iter"] == 3000
+
+
+def test_the_fast_node_log_holds_the_records_of_the_node_mix():
+    # The 1 GiB log above is written from templates: the same records, decoded.
+    for iterations in (0, 1, 3, 7):
+        plain, fast = io.BytesIO(), io.BytesIO()
+        eventlogs.write(plain, eventlogs.node_records(iterations))
+        eventlogs.write_node_log(fast, iterations)
+        decode = functools.partial(msgpack.Unpacker, raw=False, strict_map_key=False)
+        assert list(decode(io.BytesIO(fast.getvalue()))) == list(
+            decode(io.BytesIO(plain.getvalue())))

@@ -137,8 +137,8 @@ def test_exit_of_the_target_ends_sampling_without_failure(start_target):
         sampler.close()
 
 
-def test_close_kills_and_reaps_pyspy_and_is_idempotent(start_target):
-    target = start_target()
+def test_close_kills_and_reaps_pyspy_and_is_idempotent(steady_target):
+    target = steady_target
     sampler = PySpySampler([target.pid], window_s=0.5)
     sampler.start()
     _sample_for(sampler, 1.2)

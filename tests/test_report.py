@@ -97,9 +97,9 @@ def _assert_self_contained(page: str) -> None:
 
 @needs_chromium
 def test_report_of_a_real_session_renders_in_headless_chromium_without_errors(
-    start_target, agent, out_dir, tmp_path: Path
+    steady_target, agent, out_dir, tmp_path: Path
 ):
-    target = start_target()
+    target = steady_target
     run = agent.run("attach", "--pid", str(target.pid), "--duration", "6", "--log-interval", "5",
                     "--cpu-budget", "0", "--output-dir", str(out_dir))
     assert run.returncode == 0, run.stderr

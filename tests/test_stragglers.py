@@ -7,8 +7,10 @@ The slowed ranks burn CPU in a forward pre-hook (tests/targets/train_gpt.py
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 from perfmon.agent.reducers.failslow import FailSlow
 from perfmon.agent.reducers.ranks import RankTimes
 
-from tests.conftest import TRAIN_GPT, Target, load_summary
+from tests.conftest import TRAIN_GPT, Target, _reap, load_summary
 
 MS = 1_000_000
 
@@ -67,25 +69,55 @@ def test_a_rank_slowed_in_its_compute_is_named_the_straggler_with_its_delay(
     assert stats["fail_slow"] == []
 
 
+def _job_step_ms(target: Target, since_ns: float, until_ns: float) -> float:
+    """The median step of the job by its own clock (the first rank to stamp each
+    iteration) between two CLOCK_MONOTONIC instants."""
+    first: dict[int, int] = {}
+    for iteration, t in target.timestamps():
+        first[iteration] = min(t, first.get(iteration, t))
+    times = [first[i] for i in sorted(first)]
+    steps = [b - a for a, b in itertools.pairwise(times) if since_ns <= a < until_ns]
+    return statistics.median(steps) / MS
+
+
+def _slowdown_scenario(agent, tmp_path: Path, port: int) -> tuple[dict, str, Target, float]:
+    """Steady for 130 s, then every rank's forward 30% slower for 22 s, then steady."""
+    launcher, target = torchrun(agent, tmp_path, port, "--slow-ranks", "all",
+                                "--slow-factor", "0.3", "--slow-from-s", "130",
+                                "--slow-until-s", "152")
+    first_stamp = target.timestamps()[0][1]
+    out = tmp_path / "out"
+    out.mkdir()
+    run = agent.run("attach", "--pid", str(launcher.pid), "--duration", "180",
+                    "--output-dir", str(out), timeout_s=280)
+    assert run.returncode == 0, run.stderr
+    _reap(launcher)  # the job and its ranks: a second run must not share the CPUs
+    return load_summary(out), run.stderr, target, first_stamp
+
+
 @pytest.mark.usefixtures("ebpf")
 def test_a_steady_job_gets_no_event_then_a_30pct_slowdown_one_and_its_end_a_recovery(
-        agent, out_dir, tmp_path):
-    # Steady for 130 s, then every rank's forward 30% slower for 25 s, then steady.
-    launcher, target = torchrun(agent, tmp_path, 29572, "--slow-ranks", "all",
-                                "--slow-factor", "0.3", "--slow-from-s", "130",
-                                "--slow-until-s", "155")
-    first_stamp = target.timestamps()[0][1]
-    run = agent.run("attach", "--pid", str(launcher.pid), "--duration", "190",
-                    "--output-dir", str(out_dir), timeout_s=280)
-    assert run.returncode == 0, run.stderr
-    summary = load_summary(out_dir)
-    info, stats = summary["session_info"], summary["final_statistics"]
-    assert stats["stragglers"] == []  # no rank slower than the others
-    slow_from = first_stamp + 130e9  # (+ the few iterations before the first stamp)
-    slow_until = first_stamp + 155e9
-    steady = info["attach_monotonic_ns"] + 120e9
-    assert slow_from > steady  # at least 2 minutes of a steady job watched...
-    assert [e for e in stats["fail_slow"] if e["t_mono_ns"] < slow_from - 5e9] == []  # ...no event
+        agent, tmp_path):
+    for attempt in (1, 2):
+        summary, stderr, target, first_stamp = _slowdown_scenario(
+            agent, tmp_path / f"try{attempt}", 29572 + attempt)
+        info, stats = summary["session_info"], summary["final_statistics"]
+        assert stats["stragglers"] == []  # no rank slower than the others
+        slow_from = first_stamp + 130e9  # (+ the few iterations before the first stamp)
+        slow_until = first_stamp + 152e9
+        assert slow_from > info["attach_monotonic_ns"] + 120e9  # 2 minutes of a steady job
+        early = [e for e in stats["fail_slow"] if e["t_mono_ns"] < slow_from - 5e9]
+        if not early:
+            break
+        # An event before the slowdown is a false positive unless the job's own clock
+        # moved too: the machine itself slowed the job (it happens on a shared VM),
+        # and the detector was right. Such a run proves nothing either way: once more.
+        c = early[0]["t_mono_ns"]
+        own = _job_step_ms(target, c, c + 15e9) / _job_step_ms(target, c - 15e9, c) - 1
+        assert own * 100 >= 0.6 * early[0]["change_pct"], (
+            f"false positive: the job's own step moved {own:.1%}", early)
+    else:
+        pytest.fail("the machine slowed the job by itself in both runs")
     kinds = [e["event"] for e in stats["fail_slow"]]
     assert kinds == ["fail_slow", "recovered"], json.dumps(stats["fail_slow"], indent=1)
     slow, recovered = stats["fail_slow"]
@@ -98,7 +130,7 @@ def test_a_steady_job_gets_no_event_then_a_30pct_slowdown_one_and_its_end_a_reco
     assert {r["rank"] for r in slow["ranks"] if r["moved"]} == {0, 1}
     assert abs(recovered["t_mono_ns"] - slow_until) < 5e9
     assert recovered["detected_mono_ns"] - slow_until < 60e9
-    assert "fail-slow: step time" in run.stderr and "recovered: step time" in run.stderr
+    assert "fail-slow: step time" in stderr and "recovered: step time" in stderr
 
 
 # -- the rules on exact record streams --------------------------------------------------

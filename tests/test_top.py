@@ -111,9 +111,9 @@ def _live_avg(out_dir: Path) -> str | None:
 
 
 def test_top_shows_a_live_sessions_step_time_and_quits_on_q(
-    start_target, agent, out_dir, terminal
+    steady_target, agent, out_dir, terminal
 ):
-    target = start_target()
+    target = steady_target
     session = agent.start("attach", "--pid", str(target.pid), "--log-interval", "5",
                           "--output-dir", str(out_dir))
     wait_for(lambda: _live_avg(out_dir), timeout_s=30, what="the first summary with a step time")

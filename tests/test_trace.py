@@ -54,9 +54,9 @@ def _track(events: list[dict[str, Any]], pid: int, name: str) -> list[dict[str, 
 
 
 def test_trace_of_a_real_session_has_an_iteration_slice_per_measured_iteration(
-    start_target, agent, out_dir, tmp_path: Path
+    steady_target, agent, out_dir, tmp_path: Path
 ):
-    target = start_target()
+    target = steady_target
     run = agent.run("attach", "--pid", str(target.pid), "--duration", "6", "--log-interval", "5",
                     "--cpu-budget", "0", "--output-dir", str(out_dir))
     assert run.returncode == 0, run.stderr

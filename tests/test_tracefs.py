@@ -271,8 +271,8 @@ def test_a_target_that_dies_mid_run_ends_the_probe_cleanly(start_target, probes,
     assert leftovers(tracefs, started["group"]) == []
 
 
-def test_attach_takes_well_under_a_second(start_target, probes, tracefs):
-    target = start_target(warm_iterations=1)
+def test_attach_takes_well_under_a_second(steady_target, probes, tracefs):
+    target = steady_target
     attach = [probes.run(0, target.pid)[0]["attach_s"] for _ in range(3)]
     median = statistics.median(attach)
     print(f"tracefs attach times: {', '.join(f'{a * 1e3:.0f} ms' for a in attach)}; "
@@ -281,9 +281,9 @@ def test_attach_takes_well_under_a_second(start_target, probes, tracefs):
 
 
 def test_a_refused_definition_raises_one_line_and_leaves_nothing(
-    start_target, tracefs, monkeypatch
+    steady_target, tracefs, monkeypatch
 ):
-    target = start_target(warm_iterations=1)
+    target = steady_target
     monkeypatch.setitem(tracefs_module._NAME_FETCH, os.uname().machine,
                         "+0(+0(%no_such_register)):ustring")
     probe = TracefsMarkerProbe([inspect_process(target.pid)])
