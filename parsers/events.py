@@ -397,11 +397,12 @@ class EventLogReader:
         """Pass records to ``sink`` (the fast path of replaying a log: no generator
         between the decoder and the reducers); at most ``limit``; True at the end."""
         unpacker = self._unpacker
+        tell = unpacker.tell
         fast = _FAST_CHECK
         count = 0
+        last_t = self.last_t_mono_ns
         try:
             for obj in unpacker:
-                self._position = unpacker.tell()
                 if self.first is None:
                     self._check_first(obj)
                     self.first = obj
@@ -418,18 +419,23 @@ class EventLogReader:
                             self.unknown += 1
                             continue
                 t = obj["t_mono_ns"]
-                if t > self.last_t_mono_ns:  # noqa: PLR1730  (no call: once a record)
-                    self.last_t_mono_ns = t
-                self.records += 1
+                if t > last_t:  # noqa: PLR1730  (no call: once a record)
+                    last_t = t
                 sink(obj)
                 count += 1
-                if limit is not None and count >= limit:
+                if count == limit:
                     return False
         except (msgpack.UnpackException, ValueError) as err:
             if self.first is None:
                 raise EventLogError(f"{self.source}: not a perfmon event log ({err})") from err
-            self.corrupt = f"undecodable data after byte {self._position}: {err}"
+            # (the offset stays after the last record decoded whole)
+            self.corrupt = f"undecodable data after byte {tell()}: {err}"
             return True
+        finally:
+            # Kept in locals while reading (this loop runs once a record).
+            self.records += count
+            self.last_t_mono_ns = last_t
+            self._position = tell()
         if self.first is None:
             raise EventLogError(f"{self.source}: not a perfmon event log (empty)")
         if self.size_bytes is not None and self._position < self.size_bytes:

@@ -68,6 +68,7 @@ class Summarizer:
             # continuous; in bursts most intervals have none to wait for.
             wait_for_phases=stack_sampling and phases_continuous, wall_time=self.wall_time,
             ranks=self.ranks if ranks and len(ranks) > 1 else None)
+        self._waiting = self.intervals.waiting  # entries waiting for later records
         self._primary = primary = primary_pid
         phase_feed = self.phases.feed_phase
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
@@ -90,15 +91,17 @@ class Summarizer:
 
     def feed(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one record; return the iteration_logs entries it completed."""
-        handler = self._handlers.get(record["type"])
+        kind = record["type"]
+        handler = self._handlers.get(kind)
         if handler is not None:
             handler(record)
-        if record["type"] == "session_end":
+        if not self._waiting:  # (the list itself: this runs for every record)
+            if kind != "session_end":
+                return []
+        if kind == "session_end":
             done = self.intervals.finalize(record["t_mono_ns"], True)
             self.failslow.resolve(self.intervals.entries, True)
             return self._numbered(done)
-        if not self.intervals.waiting:  # (an attribute: this runs for every record)
-            return []
         done = self.intervals.finalize(record["t_mono_ns"], False)
         if done:
             self.failslow.resolve(self.intervals.entries, False)

@@ -42,7 +42,8 @@ class Intervals:
         self._logged = 0
         self._current: list[Iteration] = []
         # Entries waiting for samples: (entry, start, end, iterations); ``waiting`` is
-        # this list, under a name the dispatcher reads for every record.
+        # this list (changed in place only), which the dispatcher holds and reads for
+        # every record.
         self._pending: list[tuple[dict[str, Any], int, int, int]] = []
         self.waiting = self._pending
 

@@ -77,6 +77,14 @@ class _Rank:
     outlying_since: int = 0  # the first of them
 
 
+def _median(values: list[int]) -> float:
+    """statistics.median of a non-empty list, without its generality (hot: every
+    evaluation takes four per rank)."""
+    values.sort()
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def _last(items: deque[tuple[int, int, int]], n: int) -> list[tuple[int, int, int]]:
     """The last ``n`` of a deque, without copying the rest."""
     return list(itertools.islice(reversed(items), n))
@@ -109,7 +117,8 @@ class RankTimes:
         t = record["t_mono_ns"]
         if t < self.start_t_mono_ns:
             return
-        r, kind = self._rank(record["pid"]), record["kind"]
+        # (every marker of every rank comes here: no call for the usual case)
+        r, kind = self._ranks.get(record["pid"]) or self._rank(record["pid"]), record["kind"]
         if kind == "wait_enter":
             depth = r.depth.get(record["tid"], 0)
             r.depth[record["tid"]] = depth + 1
@@ -185,16 +194,16 @@ class RankTimes:
     def _evaluate(self, now: int) -> None:
         rule = self.rule
         primary = self._ranks[self.primary_pid]
-        median_step = statistics.median(s for _, s, _ in _last(primary.recent, rule.window))
+        median_step = _median([s for _, s, _ in _last(primary.recent, rule.window)])
         current: dict[int, tuple[float, float, float]] = {}  # pid -> compute, wait, step (ns)
         for r in self._ranks.values():
             if (len(r.recent) < rule.window // 2 or r.last_end is None
                     or now - r.last_end > 10 * median_step):
                 continue
             last = _last(r.recent, rule.window)
-            current[r.pid] = (statistics.median(s - w for _, s, w in last),
-                              statistics.median(w for _, _, w in last),
-                              statistics.median(s for _, s, _ in last))
+            current[r.pid] = (_median([s - w for _, s, w in last]),
+                              _median([w for _, _, w in last]),
+                              _median([s for _, s, _ in last]))
         for pid, r in self._ranks.items():
             excess = self._excess(pid, current, median_step)
             if excess is None:
