@@ -260,6 +260,19 @@ _PART = re.compile(r"\.part\d+$")
 _SUMMARY = re.compile(r"^perf_summary_(?P<stem>.+?)\.json$")
 
 
+def is_folder_input(path: Path) -> bool:
+    """Whether a LOG_OR_DIR argument is a folder; raises InputFileError (exit 2) when it
+    names nothing."""
+    try:
+        is_dir = path.is_dir()
+        exists = is_dir or path.exists() or path.is_symlink()
+    except OSError as err:
+        raise InputFileError(f"input {path}: {err.strerror}") from err
+    if not exists:
+        raise InputFileError(f"input {path}: no such file or folder")
+    return is_dir
+
+
 def find_inputs(folder: Path) -> list[Path]:
     """The event logs (first parts) in ``folder`` and its sub-folders, and the summaries
     there whose event log is not beside them, sorted by path."""
@@ -292,14 +305,7 @@ def load_runs(path: Path, max_points: int = DEFAULT_MAX_POINTS) -> list[Run]:
 
     Raises InputFileError or EventLogError (exit 2).
     """
-    try:
-        is_dir = path.is_dir()
-        exists = is_dir or path.exists() or path.is_symlink()
-    except OSError as err:
-        raise InputFileError(f"input {path}: {err.strerror}") from err
-    if not exists:
-        raise InputFileError(f"input {path}: no such file or folder")
-    if not is_dir:
+    if not is_folder_input(path):
         return [_load(path, max_points)]
     inputs = find_inputs(path)
     if not inputs:

@@ -45,7 +45,7 @@ from perfmon.agent.outputs import write_user_file
 from perfmon.agent.reducers.cuda import CudaActivity
 from perfmon.agent.reducers.iterations import IterationClock
 from perfmon.agent.reducers.phases import PhaseAccount
-from perfmon.agent.report import find_inputs, is_summary_file
+from perfmon.agent.report import find_inputs, is_folder_input, is_summary_file
 from perfmon.agent.summary import check_facts, log_parts, replay
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.gpu_samples import job_gpu_indices
@@ -405,14 +405,7 @@ class _Log:
 
 def trace_inputs(path: Path) -> list[Path]:
     """The event logs a LOG_OR_DIR argument names. Raises InputFileError (exit 2)."""
-    try:
-        is_dir = path.is_dir()
-        exists = is_dir or path.exists() or path.is_symlink()
-    except OSError as err:
-        raise InputFileError(f"input {path}: {err.strerror}") from err
-    if not exists:
-        raise InputFileError(f"input {path}: no such file or folder")
-    if not is_dir:
+    if not is_folder_input(path):
         if is_summary_file(path):
             raise InputFileError(f"input {path}: a summary, not an event log: the trace needs "
                                  "the perf_events_*.msgpack beside it")
