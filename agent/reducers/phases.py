@@ -26,7 +26,8 @@ def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
 
 class PhaseAccount:
     """``bursts``: stack samples come in bursts (a CPU budget), so a window without
-    samples has no sampled phases rather than all of its time in ``other``."""
+    samples (or whose samples saw only backward) has no sampled phases rather than
+    all of its (other) time in ``other``."""
 
     def __init__(self, bursts: bool = False) -> None:
         self.bursts = bursts
@@ -80,6 +81,10 @@ class PhaseAccount:
             if weight:
                 for phase, ns in others.items():
                     result[phase] = round(rest * ns / weight)
+            elif self.bursts:
+                # A burst that saw only backward() says nothing of how the rest of the
+                # window divides: as for a window without samples, no phases.
+                return None
             else:
                 result["other"] = rest
         return result
