@@ -34,7 +34,8 @@ def build_summary(session: dict[str, Any], summarizer: Summarizer) -> dict[str, 
 
     ``end_time`` is null while the session runs; ``end_reason`` says why it
     ended (target_exited, duration, SIGINT, SIGTERM, SIGHUP, stdout_closed, error,
-    or log_truncated for a summary rebuilt from the log of an agent that was killed).
+    command_exited, ranks_changed, or log_truncated for a summary rebuilt from the
+    log of an agent that was killed: docs/metrics.md).
     """
     return {
         "session_info": {**session, **summarizer.session_fields()},

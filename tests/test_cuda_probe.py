@@ -173,7 +173,7 @@ def assert_each_is_one_iteration(pairs: list[tuple[CudaCounters, CudaCounters]],
     per_call_slack_ns = [(w - want.sync_wait_ns) / want.sync_calls for w in waits_ns]
     assert min(waits_ns) >= want.sync_wait_ns
     assert statistics.median(per_call_slack_ns) < 500_000
-    assert max(per_call_slack_ns) < 3_000_000
+    assert max(per_call_slack_ns) < 20_000_000  # (a descheduled thread on a busy VM)
 
 
 @pytest.mark.usefixtures("ebpf")

@@ -25,15 +25,19 @@ MS = 1_000_000
 
 
 def torchrun(agent, tmp_path: Path, port: int, *args: str) -> tuple[subprocess.Popen, Target]:
-    stamps = tmp_path / "stamps.txt"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(port), str(TRAIN_GPT), "--ddp", "--timestamps", str(stamps),
-         *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    stamps, output = tmp_path / "stamps.txt", tmp_path / "torchrun.log"
+    with open(output, "wb") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(port), str(TRAIN_GPT), "--ddp", "--timestamps", str(stamps),
+             *args],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     agent.procs.append(launcher)  # reaped with its ranks by the agent fixture
     target = Target(launcher, stamps)
-    target.wait_for_iterations(6, timeout_s=90)
+    try:
+        target.wait_for_iterations(6, timeout_s=90)
+    except AssertionError as err:
+        raise AssertionError(f"{err}: {output.read_text()[-2000:]}") from None
     return launcher, target
 
 
@@ -82,6 +86,7 @@ def _job_step_ms(target: Target, since_ns: float, until_ns: float) -> float:
 
 def _slowdown_scenario(agent, tmp_path: Path, port: int) -> tuple[dict, str, Target, float]:
     """Steady for 130 s, then every rank's forward 30% slower for 22 s, then steady."""
+    tmp_path.mkdir()
     launcher, target = torchrun(agent, tmp_path, port, "--slow-ranks", "all",
                                 "--slow-factor", "0.3", "--slow-from-s", "130",
                                 "--slow-until-s", "152")
