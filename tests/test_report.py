@@ -148,24 +148,24 @@ def test_the_console_check_sees_a_script_error(tmp_path: Path):
 
 
 def test_a_long_run_is_downsampled_and_says_so(tmp_path: Path):
-    log = eventlogs.write_log(tmp_path / "perf_events_long.msgpack", 200_000)
+    log = eventlogs.write_log(tmp_path / "perf_events_long.msgpack", 50_000)
     page_path = tmp_path / "long.html"
     done = _report(str(log), "-o", str(page_path), "--json", timeout_s=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     (down,) = result["downsampled"]
-    # 199,999 measured iterations in entries of 10: 19,999 intervals.
-    assert down["intervals"] == 19_999
-    assert down["points"] <= 2000 and down["stride"] == 16
-    assert down["points"] == -(-19_999 // 16)
+    # 49,999 measured iterations in entries of 10: 4,999 intervals.
+    assert down["intervals"] == 4_999
+    assert down["points"] <= 2000 and down["stride"] == 4
+    assert down["points"] == -(-4_999 // 4)
     page = page_path.read_text()
     assert len(page.encode()) < 3 << 20 and result["bytes"] == len(page.encode())
     note = re.search(r'<p class="note" id="downsampling">(.*?)</p>', page, re.S)
     assert note is not None
-    assert (f"Downsampled: 19,999 log intervals (199,990 iterations) are drawn as "
-            f"{down['points']:,} points, each the mean of 16 consecutive intervals") in note[1]
+    assert (f"Downsampled: 4,999 log intervals (49,990 iterations) are drawn as "
+            f"{down['points']:,} points, each the mean of 4 consecutive intervals") in note[1]
     # The table covers every iteration: 100 ms steps, all of them.
-    assert "<td>100.00 ms</td>" in page and "200,000 ended, 199,999 measured" in page
+    assert "<td>100.00 ms</td>" in page and "50,000 ended, 49,999 measured" in page
 
 
 def shifted(records: Iterator[dict[str, Any]], *, pid_shift: int = 0, host: str = "node-1",
