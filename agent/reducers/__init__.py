@@ -95,13 +95,12 @@ class Summarizer:
         handler = self._handlers.get(kind)
         if handler is not None:
             handler(record)
-        if not self._waiting:  # (the list itself: this runs for every record)
-            if kind != "session_end":
-                return []
         if kind == "session_end":
             done = self.intervals.finalize(record["t_mono_ns"], True)
             self.failslow.resolve(self.intervals.entries, True)
             return self._numbered(done)
+        if not self._waiting:  # (the list itself: this runs for every record)
+            return []
         done = self.intervals.finalize(record["t_mono_ns"], False)
         if done:
             self.failslow.resolve(self.intervals.entries, False)
