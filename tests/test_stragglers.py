@@ -128,7 +128,11 @@ def test_a_steady_job_gets_no_event_then_a_30pct_slowdown_one_and_its_end_a_reco
     slow, recovered = stats["fail_slow"]
     assert abs(slow["t_mono_ns"] - slow_from) < 5e9
     assert slow["detected_mono_ns"] - slow_from < 60e9
-    assert 15 <= slow["change_pct"] <= 45
+    # The shift the job's own clock shows (a 30% slower forward costs the step more or
+    # less than 30% with the VM's load), within 10 points.
+    own_pct = 100 * (_job_step_ms(target, slow_from, slow_until)
+                     / _job_step_ms(target, slow_from - 20e9, slow_from) - 1)
+    assert own_pct >= 10 and abs(slow["change_pct"] - own_pct) <= 10, (slow, own_pct)
     # The forward moved (the slowdown is in a forward pre-hook). Phases come from the
     # primary's stack samples, so another phase may come out ahead on a busy machine.
     assert "forward" in [p["phase"] for p in slow["phases"]], slow["phases"]
