@@ -238,8 +238,12 @@ def test_data_quality_counts_the_events_a_tiny_ring_buffer_dropped(start_target,
     proc = agent.start("attach", "--pid", str(target.pid), "--duration", "8",
                        "--ring-buffer-pages", "1", "--no-stack-sampling",
                        "--output-dir", str(out_dir))
-    wait_for(lambda: (s := _try_summary(out_dir)) and s["session_info"]["total_iterations"] > 2,
-             timeout_s=30, what="iterations in the live summary")
+    # Measuring (the first summary is written when the session starts), and two more
+    # steps of the target's own: the agent is stopped mid-session, well before its end.
+    # (A later summary may not come before the 8 s are over: the live summary is
+    # rewritten when a log interval completes, ~4 s at this job's steps, at most every 5 s.)
+    wait_for(lambda: _try_summary(out_dir), timeout_s=30, what="the session to start")
+    target.wait_for_iterations(len(target.timestamps()) + 2)
     proc.send_signal(signal.SIGSTOP)
     time.sleep(1.5)
     proc.send_signal(signal.SIGCONT)
