@@ -193,25 +193,28 @@ def _quality_row(stats: dict[str, Any]) -> str:
 
 
 def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -> None:
+    """The end table. Every figure may be unknown (a summary rebuilt from a log anyone
+    may have written is kept to its schema: what is not becomes None)."""
     info, stats = summary["session_info"], summary["final_statistics"]
-    table = Table(title=f"perf summary: pid {info['pid']} ({info['total_iterations']} iterations)")
+    table = Table(title=f"perf summary: pid {info.get('pid', '?')} "
+                  f"({_fmt(info.get('total_iterations'), 'd')} iterations)")
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("avg step time", _fmt(stats["avg_step_time_ms"], ".2f", " ms")),
+        ("avg step time", _fmt(stats.get("avg_step_time_ms"), ".2f", " ms")),
         ("p50 / p90 / p99 step",
-         " / ".join(_fmt(stats[k], ".2f") for k in
+         " / ".join(_fmt(stats.get(k), ".2f") for k in
                     ("p50_step_time_ms", "p90_step_time_ms", "p99_step_time_ms")) + " ms"),
-        ("tokens/s", _fmt(stats["avg_tokens_per_sec"], ",.0f")),
-        ("samples/s", _fmt(stats["avg_samples_per_sec"], ",.2f")),
-        ("TFLOPS per GPU", _fmt(stats["avg_tflops_per_gpu"], ".3f")),
-        ("MFU", _fmt(stats["mfu"], ".1%")),
-        ("micro-batches per step", _fmt(stats["microbatches_per_step"], "d")),
-        ("peak memory", _fmt(stats["peak_memory_gb"], ".2f", " GB")),
-        ("model source", str(info["model"].get("source", "none"))),
+        ("tokens/s", _fmt(stats.get("avg_tokens_per_sec"), ",.0f")),
+        ("samples/s", _fmt(stats.get("avg_samples_per_sec"), ",.2f")),
+        ("TFLOPS per GPU", _fmt(stats.get("avg_tflops_per_gpu"), ".3f")),
+        ("MFU", _fmt(stats.get("mfu"), ".1%")),
+        ("micro-batches per step", _fmt(stats.get("microbatches_per_step"), "d")),
+        ("peak memory", _fmt(stats.get("peak_memory_gb"), ".2f", " GB")),
+        ("model source", str((info.get("model") or {}).get("source") or "none")),
         ("iterations from", str(stats.get("iteration_estimator") or "-")),
         ("data quality", _quality_row(stats)),
-        ("ended", str(info["end_reason"])),
+        ("ended", str(info.get("end_reason"))),
     ]
     for name, value in rows:
         table.add_row(name, value)

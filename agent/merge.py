@@ -60,6 +60,8 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", type=Path, default=Path("job_summary.json"),
                    help="where to write the job summary (default: %(default)s)")
     p.add_argument("--job", help="the job id to merge, when the folders hold several")
+    p.add_argument("--user", help="the owner of the job to merge, when two users' jobs have "
+                   "that id")
     p.add_argument("--json", action="store_true", help="also print the job summary on stdout")
 
 
@@ -89,9 +91,19 @@ def find_summaries(folder: Path) -> list[Path]:
     return found
 
 
-def _job_id(summary: dict[str, Any]) -> str | None:
+JobKey = tuple[str, str | None]  # (job id, owner): two users' jobs of one id are two jobs
+
+
+def _job_key(summary: dict[str, Any]) -> JobKey | None:
     job = summary["session_info"].get("job")
-    return str(job["id"]) if isinstance(job, dict) and job.get("id") is not None else None
+    if not isinstance(job, dict) or job.get("id") is None:
+        return None
+    user = job.get("user")
+    return str(job["id"]), str(user) if user is not None else None
+
+
+def _shown(key: JobKey) -> str:
+    return key[0] if key[1] is None else f"{key[0]} (user {key[1]})"
 
 
 def _number(value: Any) -> float | None:
@@ -169,7 +181,7 @@ def merge(summaries: list[tuple[Path, dict[str, Any]]], job_id: str) -> dict[str
         host = str(summary["session_info"].get("host") or "?")
         nodes.setdefault(host, Node(host)).summaries.append((path, summary))
     infos = [s["session_info"] for _, s in summaries]
-    job = next(i["job"] for i in infos if isinstance(i.get("job"), dict))
+    job: dict[str, Any] = next((i["job"] for i in infos if isinstance(i.get("job"), dict)), {})
     own = all(n.own_numbering for n in nodes.values())
 
     # Per interval, aligned by iteration number on the log-interval grid: the nodes'
@@ -232,6 +244,7 @@ def merge(summaries: list[tuple[Path, dict[str, Any]]], job_id: str) -> dict[str
     return {
         "job_info": {
             "job_id": job_id, "name": job.get("name"), "id_from": job.get("id_from"),
+            "user": job.get("user"),
             "nodes": len(nodes), "hosts": sorted(nodes),
             "ranks": sum(len(r["pids"]) for r in rows),
             "start_time": min((str(i.get("start_time")) for i in infos), default=None),
@@ -267,6 +280,8 @@ def merge(summaries: list[tuple[Path, dict[str, Any]]], job_id: str) -> dict[str
 def _scaled(per_node: dict[str, dict[str, Any]], steps: dict[str, float], job_step: float,
             key: str) -> float | None:
     """A throughput figure over the job's step: each node's x its step / the job's."""
+    if job_step <= 0:
+        return None
     return _mean([v * steps[h] / job_step for h, e in per_node.items()
                   if (v := _number(e.get(key))) is not None])
 
@@ -291,26 +306,32 @@ def merge_main(args: argparse.Namespace) -> int:
     paths = [p for folder in args.folders for p in find_summaries(folder)]
     if not paths:
         raise InputFileError(f"no perf_summary_*.json under {' '.join(map(str, args.folders))}")
-    by_job: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+    by_job: dict[JobKey, list[tuple[Path, dict[str, Any]]]] = {}
     for path in paths:
-        summary = read_summary(path)
-        job_id = _job_id(summary)
-        if job_id is None:
+        summary, problem = read_summary(path)
+        if problem is not None:
+            warn(problem)
+        key = _job_key(summary)
+        if key is None:
             warn(f"{path}: no session_info.job.id (written by an older agent): left out")
             continue
-        by_job.setdefault(job_id, []).append((path, summary))
-    if args.job is not None:
-        if args.job not in by_job:
-            raise InputFileError(f"job {args.job!r} not found; the folders hold: "
-                                 f"{', '.join(sorted(by_job)) or 'no job ids'}")
-        job_id = args.job
-    elif len(by_job) == 1:
-        job_id = next(iter(by_job))
-    else:
-        raise InputFileError(f"the folders hold {len(by_job)} jobs "
-                             f"({', '.join(sorted(by_job)) or 'none with a job id'}): "
-                             "name one with --job")
-    result = merge(by_job[job_id], job_id)
+        by_job.setdefault(key, []).append((path, summary))
+    if not by_job:
+        raise InputFileError(f"no summary under {' '.join(map(str, args.folders))} names its "
+                             "job (session_info.job.id)")
+    chosen = [k for k in by_job if (args.job is None or k[0] == args.job)
+              and (args.user is None or k[1] == args.user)]
+    held = ", ".join(sorted(map(_shown, by_job))) or "no job ids"
+    if not chosen:
+        wanted = " ".join(([f"job {args.job!r}"] if args.job is not None else [])
+                          + ([f"of user {args.user!r}"] if args.user is not None else []))
+        raise InputFileError(f"{wanted} not found; the folders hold: {held}")
+    if len(chosen) > 1:
+        raise InputFileError(f"the folders hold {len(chosen)} jobs ({held}): name one with "
+                             "--job (and --user)")
+    [key] = chosen
+    job_id = key[0]
+    result = merge(by_job[key], job_id)
     data = json_bytes(result)
     write_user_file(args.output, data)
     if args.json:

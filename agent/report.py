@@ -28,6 +28,7 @@ each section's ids end in ``-<n>`` (n = 1, 2, ... in the page's order) and
 from __future__ import annotations
 
 import argparse
+import functools
 import html
 import io
 import math
@@ -43,9 +44,11 @@ from typing import TYPE_CHECKING, Any
 from perfmon.agent.argtypes import positive_int
 from perfmon.agent.console import printable, warn
 from perfmon.agent.outputs import OutputDir, OutputNotWritable, json_bytes, write_user_file
+from perfmon.agent.rank_table import describe_rest, select_ranks
 from perfmon.agent.reducers.phases import PHASES
-from perfmon.agent.summary import read_summary, rebuild_from_event_log
+from perfmon.agent.summary import entry_filter, read_summary, rebuild_from_event_log
 from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.schema_filter import Filtered
 from perfmon.probes.files import InputFileError, open_user_file
 
 if TYPE_CHECKING:
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 DEFAULT_MAX_POINTS = 2000
+RANKS_EACH_WAY = 64  # a job of more ranks: the 64 slowest and fastest, the rest in one row
 GIB = 1 << 30
 
 REPORT_DESCRIPTION = ("Write one self-contained HTML page (inline SVG plots, no scripts) of a "
@@ -75,6 +79,24 @@ _SERIES = ("step_time_ms", "tokens_per_sec", "samples_per_sec", "TFLOPS_per_GPU"
 
 # -- the series: iteration_logs entries folded into a bounded number of points -------
 
+def phase_figures(phases: Any) -> dict[str, tuple[float | None, float | None]]:
+    """(ms per iteration, share) of each phase of a ``phases`` object; {} without one."""
+    if not isinstance(phases, dict):
+        return {}
+    return {p: (_float(v.get("ms")), _float(v.get("share"))) for p, v in phases.items()
+            if isinstance(v, dict)}
+
+
+def _dicts(items: Any) -> list[dict[str, Any]]:
+    """The objects of a summary's list (an item may be unknown: None)."""
+    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        else None
+
+
 class Point:
     """Consecutive log intervals folded into one point: means, extremes, phase time."""
 
@@ -92,9 +114,8 @@ class Point:
         self.counts = dict.fromkeys(self.sums, 1)
         self.step_min_ms = self.step_max_ms = step_ms
         self.memory_max_gb = entry.get("memory_GB")
-        phases = entry.get("phases")
-        self.phase_ms = ({p: float(v["ms"]) for p, v in phases.items()}
-                         if isinstance(phases, dict) else {})
+        self.phase_ms = {p: ms for p, (ms, _) in phase_figures(entry.get("phases")).items()
+                         if ms is not None}
         self.phase_intervals = 1 if self.phase_ms else 0
         self.throttle = set(entry.get("gpu_throttle_reasons") or ())
 
@@ -196,9 +217,14 @@ class Run:
     def attach_ns(self) -> int:
         return int(self.info["attach_monotonic_ns"])
 
-    def rank_of(self, pid: int) -> int | None:
+    @functools.cached_property
+    def _rank_by_pid(self) -> dict[int, int | None]:
         pids, ranks = self.info.get("pids") or [], self.info.get("ranks") or []
-        return ranks[pids.index(pid)] if pid in pids and pids.index(pid) < len(ranks) else None
+        return {pid: ranks[i] if i < len(ranks) else None for i, pid in enumerate(pids)
+                if isinstance(pid, int)}
+
+    def rank_of(self, pid: int) -> int | None:
+        return self._rank_by_pid.get(pid)
 
     def title(self) -> str:
         info = self.info
@@ -217,18 +243,30 @@ def load_event_log(path: Path, max_points: int = DEFAULT_MAX_POINTS) -> Run:
     Raises EventLogError or InputFileError (exit 2) for a file that is no event log.
     """
     series: list[IntervalSeries] = []
+    entries = entry_filter()
+    changed = Filtered()
 
     def start(facts: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
         series.append(IntervalSeries(max_points, facts["log_interval"]))
-        return series[0].add
+
+        def add(entry: dict[str, Any]) -> None:
+            # Made from the log's records: a figure out of range would overflow a plot.
+            _, filtered = entries.apply(entry)
+            changed.changed += filtered.changed
+            changed.examples += filtered.examples[:1]
+            series[0].add(entry)
+        return add
 
     rebuilt = rebuild_from_event_log(path, start)
-    return Run(rebuilt.parts[0], "event log", rebuilt.summary, series[0], rebuilt.warnings)
+    warnings = rebuilt.warnings + ([
+        f"{rebuilt.parts[0]}: {changed.changed} interval figure(s) out of range shown as "
+        f"unknown (first: {changed.examples[0]})"] if changed.changed else [])
+    return Run(rebuilt.parts[0], "event log", rebuilt.summary, series[0], warnings)
 
 
 def load_summary_file(path: Path, max_points: int = DEFAULT_MAX_POINTS) -> Run:
     """A perf summary JSON file; its own iteration_logs give the series. InputFileError."""
-    summary = read_summary(path)
+    summary, problem = read_summary(path)
     if not isinstance(summary["session_info"].get("attach_monotonic_ns"), int):
         raise InputFileError(f"summary {path}: session_info has no attach_monotonic_ns")
     info = summary["session_info"]
@@ -240,7 +278,7 @@ def load_summary_file(path: Path, max_points: int = DEFAULT_MAX_POINTS) -> Run:
         if (isinstance(entry, dict) and isinstance(entry.get("end_monotonic_ns"), int)
                 and isinstance(entry.get("step_time_ms"), int | float)):
             series.add(entry)
-    return Run(path, "summary", summary, series)
+    return Run(path, "summary", summary, series, [problem] if problem else [])
 
 
 def is_summary_file(path: Path) -> bool:
@@ -317,7 +355,6 @@ def load_runs(path: Path, max_points: int = DEFAULT_MAX_POINTS) -> list[Run]:
             runs.append(_load(item, max_points))
         except PerfmonError as err:
             errors.append(err)
-            warn(f"skipped: {err}")
     if not runs:
         raise errors[0]
     for error in errors:
@@ -470,14 +507,18 @@ def _no_data(ax: Axes, text: str) -> None:
     ax.set_yticks([])
 
 
-def _wall_to_mono(run: Run, iso: str | None) -> int | None:
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _wall_to_mono(run: Run, iso: Any) -> int | None:
     """A wall-clock ISO time of the session back to CLOCK_MONOTONIC (hang recoveries)."""
-    if not iso:
+    if not isinstance(iso, str) or not iso:
         return None
     try:
         wall = datetime.fromisoformat(iso).timestamp()
         start = datetime.fromisoformat(str(run.info["start_time"])).timestamp()
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):
         return None
     return run.attach_ns + round((wall - start) * 1e9)
 
@@ -485,10 +526,12 @@ def _wall_to_mono(run: Run, iso: str | None) -> int | None:
 def _mark_events(ax: Axes, run: Run, axis: _Axis) -> None:
     """Hangs (shaded, until their recovery), GPU events (lines), fail-slow and recovery
     (dashed lines), stragglers (shaded), throttling (ticks on top)."""
-    end_ns = run.info.get("detach_monotonic_ns") or (
+    end_ns = _int(run.info.get("detach_monotonic_ns")) or (
         run.series.points[-1].end_ns if run.series.points else run.attach_ns)
-    for i, hang in enumerate(run.stats.get("hangs") or []):
-        stalled = hang.get("last_iteration_mono_ns") or hang.get("t_mono_ns")
+    hangs = [h for h in run.stats.get("hangs") or []
+             if isinstance(h, dict) and isinstance(h.get("t_mono_ns"), int)]
+    for i, hang in enumerate(hangs):
+        stalled = _int(hang.get("last_iteration_mono_ns")) or hang["t_mono_ns"]
         recovered = _wall_to_mono(run, hang.get("recovered_at"))
         ax.axvspan(axis.x(stalled), axis.x(recovered or end_ns), color="#d62728", alpha=0.15,
                    lw=0, label="hang (no iteration) until recovery" if i == 0 else None)
@@ -496,6 +539,8 @@ def _mark_events(ax: Axes, run: Run, axis: _Axis) -> None:
                    label="hang detected" if i == 0 else None)
     labelled: set[str] = set()
     for event in run.stats.get("gpu_events") or []:
+        if not isinstance(event, dict) or not isinstance(event.get("t_mono_ns"), int):
+            continue
         kind = str(event.get("type", "gpu"))
         label = {"xid": "XID", "ecc": "ECC errors", "gpu_lost": "GPU lost"}.get(kind, kind)
         ax.axvline(axis.x(event["t_mono_ns"]), color="#7f3fbf", lw=1, ls=":",
@@ -516,7 +561,7 @@ def _mark_events(ax: Axes, run: Run, axis: _Axis) -> None:
         labelled.add("fail-slow" if slow else "recovered")
     for event in run.stats.get("stragglers") or []:
         if isinstance(event, dict) and isinstance(event.get("since_mono_ns"), int):
-            until = event.get("until_mono_ns") or end_ns
+            until = _int(event.get("until_mono_ns")) or end_ns
             ax.axvspan(axis.x(event["since_mono_ns"]), axis.x(until), color="#bcbd22",
                        alpha=0.15, lw=0,
                        label="straggler" if "straggler" not in labelled else None)
@@ -867,12 +912,14 @@ def _rank_rows(run: Run) -> tuple[list[str], list[list[str]]]:
               "peak resident (GiB)", "peak GPU memory (GiB)", "GPUs"]
     if isinstance(stragglers, list):
         header.append("straggler")
+    by_pid = {r["pid"]: r for r in run.stats.get("ranks") or []
+              if isinstance(r, dict) and isinstance(r.get("pid"), int)}
+    listed = [p for p in run.info.get("pids") or [] if isinstance(p, int)]
+    pids = list(dict.fromkeys(listed + list(by_pid)))
+    selection = select_ranks([by_pid.get(pid) or {"pid": pid} for pid in pids], RANKS_EACH_WAY)
     rows = []
-    by_pid = {r.get("pid"): r for r in run.stats.get("ranks") or [] if isinstance(r, dict)}
-    pids = list(run.info.get("pids") or []) + [p for p in by_pid
-                                               if p not in (run.info.get("pids") or [])]
-    for pid in pids:
-        peaks = by_pid.get(pid, {})
+    for peaks in selection.shown:
+        pid = peaks["pid"]
         row = [_fmt(run.rank_of(pid), "d"), str(pid),
                "primary" if pid == run.info.get("primary_pid") else "",
                _fmt(peaks.get("avg_step_time_ms"), ".1f"), _fmt(peaks.get("avg_wait_ms"), ".1f"),
@@ -882,6 +929,8 @@ def _rank_rows(run: Run) -> tuple[list[str], list[list[str]]]:
         if isinstance(stragglers, list):
             row.append(flagged.get(pid, ""))
         rows.append(row)
+    if selection.rest:
+        rows.insert(selection.rest_at, [describe_rest(selection)] + [""] * (len(header) - 1))
     return header, rows
 
 
@@ -897,16 +946,16 @@ def quality_notes(run: Run) -> list[str]:
     if info.get("end_reason") == "log_truncated":
         notes.append("the log has no session_end (the session is still running, or its agent "
                      "was killed): the window ends at its last record")
-    for hang in stats.get("hangs") or []:
+    for hang in _dicts(stats.get("hangs")):
         notes.append(f"hang at {hang.get('timestamp')}: no iteration for "
                      f"{hang.get('threshold_s')} s, in {hang.get('frame')}; "
                      f"recovered at {hang.get('recovered_at') or 'never'}")
-    for event in stats.get("gpu_events") or []:
+    for event in _dicts(stats.get("gpu_events")):
         shown = {k: v for k, v in event.items() if k not in ("t_mono_ns", "type")}
         notes.append(f"GPU event {event.get('type')}: {shown}")
     for source, counters in sorted(((stats.get("data_quality") or {}).get("sources")
                                     or {}).items()):
-        listed = ", ".join(f"{k} {v}" for k, v in sorted(counters.items()))
+        listed = ", ".join(f"{k} {v}" for k, v in sorted((counters or {}).items()))
         notes.append(f"source {source}: {listed}")
     return notes
 
@@ -916,15 +965,15 @@ def _section(run: Run, index: int, count: int) -> tuple[str, list[Plot]]:
     plots = run_plots(run, suffix)
     parts = [f'<section class="run" id="run{suffix or "-1"}">',
              f"<h2>{_text(run.title())}</h2>",
-             f'<p class="muted">{_text(" ".join(run.info.get("command_line") or []))}</p>',
+             f'<p class="muted">{_text(" ".join(map(str, run.info.get("command_line") or [])))}'
+             "</p>",
              _table(summary_rows(run), ["metric", "value"], f"summary-table{suffix}")]
-    phases = run.stats.get("phases")
-    if isinstance(phases, dict):
+    phases = phase_figures(run.stats.get("phases"))
+    if phases:
         parts.append("<h3>Phases, whole run (mean per iteration)</h3>")
         parts.append(_table(
-            ([p, _fmt(v.get("ms"), ".2f", " ms"), _fmt(v.get("share"), ".1%")]
-             for p, v in phases.items()), ["phase", "time", "share"], f"phases-table{suffix}",
-            {1, 2}))
+            ([p, _fmt(ms, ".2f", " ms"), _fmt(share, ".1%")] for p, (ms, share) in phases.items()),
+            ["phase", "time", "share"], f"phases-table{suffix}", {1, 2}))
     note = downsampling_note(run)
     if note:
         parts.append(f'<p class="note" id="downsampling{suffix}">{_text(note)}</p>')
@@ -946,7 +995,7 @@ def _combined_table(runs: list[Run]) -> str:
         s = run.stats
         rows.append([str(i), str(run.info.get("host", "-")),
                      _ranges([r for r in run.info.get("ranks") or [] if isinstance(r, int)])
-                     or "-", ", ".join(str(p) for p in run.info.get("pids") or []),
+                     or "-", _pids_cell(run.info.get("pids") or []),
                      _fmt(run.info.get("total_iterations"), ",d"),
                      _fmt(s.get("avg_step_time_ms"), ".2f"), _fmt(s.get("p50_step_time_ms"), ".2f"),
                      _fmt(s.get("p90_step_time_ms"), ".2f"), _fmt(s.get("p99_step_time_ms"), ".2f"),
@@ -957,6 +1006,10 @@ def _combined_table(runs: list[Run]) -> str:
     header = ["#", "host", "ranks", "pids", "iterations", "avg step (ms)", "p50", "p90", "p99",
               "tokens/s", "TFLOPS/GPU", "MFU", "peak mem (GiB)", "losses", "end"]
     return _table(rows, header, "combined-table", set(range(4, 14)))
+
+
+def _pids_cell(pids: list[Any]) -> str:
+    return ", ".join(map(str, pids)) if len(pids) <= 8 else f"{len(pids):,} processes"
 
 
 def render_report(runs: list[Run]) -> tuple[str, list[Plot]]:
@@ -1012,7 +1065,7 @@ def report_main(args: argparse.Namespace) -> int:
     runs = load_runs(args.source, max(2, args.max_points))
     for run in runs:
         for line in run.warnings:
-            warn(f"{run.source}: {line}")
+            warn(line)  # each names its file
     page, plots = render_report(runs)
     data = page.encode()
     write_user_file(args.output, data)

@@ -34,6 +34,7 @@ from typing import Any
 
 from perfmon.agent.argtypes import positive_float
 from perfmon.agent.console import printable
+from perfmon.agent.rank_table import describe_rest, select_ranks
 from perfmon.agent.reducers.phases import PHASES
 from perfmon.agent.summary import read_summary
 from perfmon.probes.files import InputFileError
@@ -48,6 +49,7 @@ SPARK_POINTS = 24
 BLOCKS = "▁▂▃▄▅▆▇█"
 ASCII_BLOCKS = "_.-=+*#@"
 PHASE_BAR_WIDTH = 16
+RANKS_EACH_WAY = 8  # a job of more ranks: the 8 slowest and fastest rows, the rest in one
 PHASE_STYLE = {"data_loading": ("D", "black on yellow"), "forward": ("F", "white on blue"),
                "backward": ("B", "white on magenta"), "optimizer": ("O", "black on green"),
                "other": ("-", "black on white")}
@@ -76,6 +78,7 @@ class Job:
     path: Path
     summary: dict[str, Any]
     mtime_s: float
+    problem: str | None = None  # what of it its schema does not allow (shown as unknown)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -134,6 +137,8 @@ class SummaryReader:
             job = self._read(path)
             if job is None:
                 continue
+            if job.problem is not None:
+                self.problems.append(job.problem)
             old = newest.get(job.key)
             if old is None or (job.started, job.mtime_s) > (old.started, old.mtime_s):
                 newest[job.key] = job
@@ -151,12 +156,12 @@ class SummaryReader:
         if cached is not None and cached[0] == stamp:
             return cached[1]
         try:
-            summary = read_summary(path)
+            summary, problem = read_summary(path)
         except InputFileError as err:
             if "no such file" not in str(err):
                 self.problems.append(str(err))
             return None
-        job = Job(path, summary, st.st_mtime)
+        job = Job(path, summary, st.st_mtime, problem)
         self._cache[path] = (stamp, job)
         return job
 
@@ -324,17 +329,26 @@ def _job_rows(job: Job, now_s: float, blocks: str, spark: int
     ])]
     if len(pids) <= 1 and not stragglers:
         return rows
-    peaks = {r.get("pid"): r for r in stats.get("ranks") or [] if isinstance(r, dict)}
-    for i, pid in enumerate(pids):
-        rank = ranks[i] if i < len(ranks) else None
-        peak = peaks.get(pid) or {}
+    peaks = {r["pid"]: r for r in stats.get("ranks") or []
+             if isinstance(r, dict) and isinstance(r.get("pid"), int)}
+    rank_of = {pid: ranks[i] if i < len(ranks) else None for i, pid in enumerate(pids)}
+    selection = select_ranks([peaks.get(pid) or {"pid": pid} for pid in pids
+                              if isinstance(pid, int)], RANKS_EACH_WAY)
+    rank_rows: list[tuple[bool, list[Text | str]]] = []
+    for peak in selection.shown:
+        pid = peak["pid"]
+        rank = rank_of.get(pid)
         rank_memory = peak.get("peak_gpu_memory_gb") or peak.get("peak_rss_gb")
         flag: Text | str = ""
         if pid in straggler_pids or (rank is not None and rank in straggler_ranks):
             flag = Text("STRAGGLER", style="bold yellow")
-        rows.append((False, [Text(f" rank {'?' if rank is None else rank} pid {pid}"), "", "",
-                             "", "", "", "", "", f"peak {_fmt(rank_memory, '.2f')}", "", "",
-                             flag]))
+        rank_rows.append((False, [Text(f" rank {'?' if rank is None else rank} pid {pid}"),
+                                  "", "", "", "", "", "", "",
+                                  f"peak {_fmt(rank_memory, '.2f')}", "", "", flag]))
+    if selection.rest:
+        rank_rows.insert(selection.rest_at, (False, [
+            Text(f" {describe_rest(selection)}", style="dim"), *[""] * (len(COLUMNS) - 1)]))
+    rows += rank_rows
     return rows
 
 

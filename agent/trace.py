@@ -46,13 +46,14 @@ from perfmon.agent.reducers.cuda import CudaActivity
 from perfmon.agent.reducers.iterations import IterationClock
 from perfmon.agent.reducers.phases import PhaseAccount
 from perfmon.agent.report import find_inputs, is_folder_input, is_summary_file
-from perfmon.agent.summary import check_facts, log_parts, replay
+from perfmon.agent.summary import check_facts, log_parts, rank_map, replay
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.gpu_samples import job_gpu_indices
 from perfmon.probes.files import InputFileError
 
 CLOCK = "CLOCK_MONOTONIC"
 PID_SHIFT = 1 << 22  # above PID_MAX_LIMIT: pids of another host's log move up by this
+MAX_NAMED_RANKS = 4096
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -135,7 +136,9 @@ class TraceBuilder:
 
         def start(first: dict[str, Any]) -> Callable[[dict[str, Any]], object]:
             facts = first["session"]
-            check_facts(facts, str(parts[0]))
+            problem = check_facts(facts, str(parts[0]))
+            if problem is not None:
+                self.warnings.append(problem)
             state["log"] = _Log(self, facts, parts[0])
             return state["log"].feed
 
@@ -196,10 +199,11 @@ class _Log:
         self.lost_gpus: set[int] = set()
         self.hang_open: dict[str, Any] | None = None
         self.end_ns: int | None = None
-        pids = list(facts.get("pids") or [self.primary_pid])
-        ranks = list(facts.get("ranks") or [])
-        for i, pid in enumerate(pids):
-            self._rank(pid, ranks[i] if i < len(ranks) else None)
+        # The ranks the facts name, up to MAX_NAMED_RANKS (a log may name 100,000): each
+        # a process of the trace even without records; others once they have records.
+        self.rank_numbers = rank_map(facts)
+        for pid in list(self.rank_numbers)[:MAX_NAMED_RANKS]:
+            self._rank(pid)
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
             "marker": self._on_marker, "phase": self._on_phase, "job_iteration": self._on_read,
             "cuda": self._on_cuda, "process": self._on_process, "gpu": self._on_gpu,
@@ -207,12 +211,13 @@ class _Log:
             "hang_recovered": self._on_recovered, "session_end": self._on_end,
         }
 
-    def _rank(self, pid: int, rank: int | None = None) -> _Rank:
+    def _rank(self, pid: int) -> _Rank:
         found = self.ranks.get(pid)
         if found is not None:
             return found
         clock = IterationClock(self.workload, pid, self.attach_ns, PhaseAccount())
-        r = _Rank(pid, self.builder._trace_pid(pid), rank, clock, CudaActivity(pid))
+        r = _Rank(pid, self.builder._trace_pid(pid), self.rank_numbers.get(pid), clock,
+                  CudaActivity(pid))
         self.ranks[pid] = r
         return r
 

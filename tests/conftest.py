@@ -22,7 +22,7 @@ from tests.fakes.build_cuda import FakeCudaLibraries, build_fake_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_GPT = ROOT / "tests" / "targets" / "train_gpt.py"
-SUMMARY_SCHEMA = json.loads((ROOT / "docs" / "perf_summary.schema.json").read_text())
+SUMMARY_SCHEMA = json.loads((ROOT / "parsers" / "data" / "perf_summary.schema.json").read_text())
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,8 @@ def relabel(summary_dir: Path, into: Path, host: str, job_id: str) -> dict:
     for entry in logs:
         entry["iteration"] += shift
     summary["session_info"]["host"] = host
-    summary["session_info"]["job"] = {"id": job_id, "name": job_id, "id_from": "test",
+    summary["session_info"]["job"] = {"id": job_id, "name": job_id,
+                                      "id_from": "TORCHELASTIC_RUN_ID",
                                       "host": host}
     into.mkdir(parents=True)
     (into / "perf_summary_20261201_000000.json").write_text(json.dumps(summary))

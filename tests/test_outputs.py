@@ -252,7 +252,8 @@ def test_records_of_the_wrong_shape_are_counted_and_skipped_with_one_warning(tmp
     done = _summarize(str(log), "--output", str(tmp_path / "s.json"))
     assert done.returncode == 0, done.stderr
     (warning,) = done.stderr.splitlines()
-    assert warning.startswith("perfmon-agent: warning: 7 records of the wrong shape skipped")
+    assert warning.startswith(f"perfmon-agent: warning: {log}: 7 records of the wrong shape "
+                              "skipped")
     expected = rebuild_from_event_log(eventlogs.write_log(tmp_path / "perf_events_ok.msgpack",
                                                           200)).summary
     assert json.loads((tmp_path / "s.json").read_text())["final_statistics"] == \

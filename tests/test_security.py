@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
@@ -28,25 +29,42 @@ from tests import eventlogs
 from tests.conftest import TRAIN_GPT, Target, _reap, load_summary
 
 JOB_USER = "perfmon-testjob"
+OTHER_USER = "perfmon-testother"
 SECRET = "ROOTSECRET-d41d8cd9"
 ENV_SECRET = "hf_ENVSECRET0123456789"
 TIMEOUT_S = 60
 
 
-@pytest.fixture(scope="module")
-def job_user() -> Iterator[pwd.struct_passwd]:
-    """An ordinary user for the job (created for the test run, removed after)."""
+@contextmanager
+def ordinary_user(name: str) -> Iterator[pwd.struct_passwd]:
+    """An ordinary user (created for the test run and removed after, unless it was there)."""
     created = False
     try:
-        user = pwd.getpwnam(JOB_USER)
+        user = pwd.getpwnam(name)
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", JOB_USER], check=True)
+                        "/usr/sbin/nologin", name], check=True)
         created = True
-        user = pwd.getpwnam(JOB_USER)
-    yield user
-    if created:
-        subprocess.run(["userdel", JOB_USER], check=False)
+        user = pwd.getpwnam(name)
+    try:
+        yield user
+    finally:
+        if created:
+            subprocess.run(["userdel", name], check=False)
+
+
+@pytest.fixture(scope="module")
+def job_user() -> Iterator[pwd.struct_passwd]:
+    """An ordinary user for the job."""
+    with ordinary_user(JOB_USER) as user:
+        yield user
+
+
+@pytest.fixture(scope="module")
+def other_user() -> Iterator[pwd.struct_passwd]:
+    """A second ordinary user on the node: the one who tries to reach the job's user."""
+    with ordinary_user(OTHER_USER) as user:
+        yield user
 
 
 @pytest.fixture
