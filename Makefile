@@ -18,8 +18,9 @@ DEMO_OUT ?= outputs/demo
 TORCH_SPEC ?= torch==2.13.0
 DEB_PACKAGES := bpfcc-tools python3-bpfcc python3-venv python3-dev gcc make libc6-dev
 # What the tests run for real: a Prometheus server (and promtool), headless
-# Chromium for the HTML report, systemd-analyze for the unit, tmux for `top`.
-TEST_DEB_PACKAGES := prometheus chromium systemd tmux
+# Chromium for the HTML report, systemd-analyze for the unit, tmux for `top`, sudo
+# for `run` started the way users start it.
+TEST_DEB_PACKAGES := prometheus chromium systemd tmux sudo
 
 # make install: where the service goes.
 PREFIX ?= /opt/perfmon-agent

@@ -38,6 +38,9 @@ SCHEMA: dict[str, Any] = {
         "scan_interval_s": {"type": "number", "minimum": 0.2, "maximum": 3600},
         "rank_wait_s": {"type": "number", "minimum": 0, "maximum": 3600},
         "max_jobs": {"type": "integer", "minimum": 1, "maximum": 1024},
+        "max_jobs_per_user": {"type": "integer", "minimum": 1, "maximum": 1024},
+        "idle_yield_s": {"type": "number", "minimum": 10, "maximum": 604800},
+        "restart_interval_s": {"type": "number", "minimum": 0, "maximum": 86400},
         "cpu_budget_pct": {"type": "number", "exclusiveMinimum": 0, "maximum": 10000},
         "cpu_budget_per_rank_pct": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
         "retry_initial_s": {"type": "number", "minimum": 1, "maximum": 86400},
@@ -96,6 +99,13 @@ class ServiceConfig:
     scan_interval_s: float = 5.0
     rank_wait_s: float = 30.0  # wait this long for all of a node's ranks before attaching
     max_jobs: int = 16
+    # No user takes more than this many of the slots (the others' jobs still get one).
+    max_jobs_per_user: int = 8
+    # A watched job with no iteration for this long gives its slot to a waiting job and
+    # waits for a free one itself; generous, since loading a checkpoint takes minutes.
+    idle_yield_s: float = 1800.0
+    # A running job's session restarts for ranks that joined it at most this often.
+    restart_interval_s: float = 60.0
     cpu_budget_pct: float = 8.0  # of one core, for every job together
     cpu_budget_per_rank_pct: float = 1.0
     retry_initial_s: float = 30.0

@@ -5,13 +5,17 @@ themselves (DataLoader workers and other children of a rank are not ranks). A
 Python process with PyTorch but without ``RANK`` whose descendants carry ``RANK``
 is a *launcher* (torchrun, deepspeed's launcher): its topmost descendants with
 ``RANK`` are its ranks, and it waits for them all (``expected``) before its job
-is attached. Ranks are grouped into one job by, in order:
+is attached. Ranks are grouped into one job only when they share their owner
+(the effective uid) and their pid namespace, and then by, in order:
 
 1. ``TORCHELASTIC_RUN_ID`` (torchrun's rendezvous id, the same on every node;
    ``none``, torchrun's default without ``--rdzv-id``, does not count);
-2. ``MASTER_ADDR:MASTER_PORT`` (the same on every node of a job; scoped to the
-   pid namespace, so two containers may both use localhost:29500);
+2. ``MASTER_ADDR:MASTER_PORT`` (the same on every node of a job);
 3. the nearest common launcher: the topmost rank or launcher itself.
+
+A job's environment is its user's to set, so another user who copies a run id
+or a master address into a process of theirs makes a job of their own (another
+key, folder and label set), never a rank of someone else's job.
 
 Only those environment variables are read (perfmon.probes.procfs.ENVIRON_KEYS).
 The job's name (its id in labels and folder names) comes from the same
@@ -22,6 +26,7 @@ anything was changed), since a job controls its environment.
 from __future__ import annotations
 
 import hashlib
+import pwd
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +52,15 @@ def safe_name(text: str) -> str:
     return f"{cleaned[:MAX_NAME - 9] or 'job'}-{digest}"
 
 
+def owner_name(uid: int) -> str:
+    """The user name of ``uid`` as a folder name and label take it (the uid itself when
+    the node does not know it, e.g. a container's user)."""
+    try:
+        return safe_name(pwd.getpwuid(uid).pw_name)
+    except (KeyError, OverflowError):
+        return str(uid)
+
+
 @dataclass
 class FoundJob:
     """One job's ranks on this node as one scan saw them."""
@@ -54,7 +68,9 @@ class FoundJob:
     key: tuple[object, ...]
     name: str
     id_from: str  # TORCHELASTIC_RUN_ID, MASTER_ADDR:MASTER_PORT or launcher
+    uid: int  # the owner of every process of the job
     ranks: list[int] = field(default_factory=list)  # pids with PyTorch, rank order
+    rank_of: dict[int, int | None] = field(default_factory=dict)  # pid -> RANK
     expected: int = 0  # ranks this node will have (those with RANK, loaded or not)
     launchers: list[int] = field(default_factory=list)
     container_id: str | None = None
@@ -76,9 +92,9 @@ def _local_world_size(env: dict[str, str]) -> int:
     return int(value) if value.isdigit() and len(value) < 6 else 0
 
 
-def _rank_order(snapshot: Snapshot, pid: int) -> tuple[int, int]:
+def _rank_number(snapshot: Snapshot, pid: int) -> int | None:
     value = snapshot.environ(pid).get("RANK", "")
-    return (int(value) if value.isdigit() and len(value) < 10 else 1 << 31), pid
+    return int(value) if value.isdigit() and len(value) < 10 else None
 
 
 def job_identity(rank_env: dict[str, str], launcher: str) -> tuple[str, str]:
@@ -95,13 +111,16 @@ def job_identity(rank_env: dict[str, str], launcher: str) -> tuple[str, str]:
 
 def _job_key(snapshot: Snapshot, rank_env: dict[str, str], root: int
              ) -> tuple[tuple[object, ...], str, str]:
+    """(the job's key, name, id_from). The key holds the owner and the pid namespace, so
+    that a variable copied by another user (or another container) never joins jobs."""
     info = snapshot.processes[root]
     name, id_from = job_identity(rank_env, f"{info.comm}-{root}")
+    _, namespace = snapshot.container(root)
+    scope = (info.uid, namespace or "")
     if id_from == "TORCHELASTIC_RUN_ID":
-        key: tuple[object, ...] = ("run", rank_env["TORCHELASTIC_RUN_ID"])
+        key: tuple[object, ...] = ("run", *scope, rank_env["TORCHELASTIC_RUN_ID"])
     elif id_from == "MASTER_ADDR:MASTER_PORT":
-        _, namespace = snapshot.container(root)
-        key = ("master", namespace or "", rank_env["MASTER_ADDR"], rank_env["MASTER_PORT"])
+        key = ("master", *scope, rank_env["MASTER_ADDR"], rank_env["MASTER_PORT"])
     else:
         key = ("launcher", root, info.start_ticks)
     return key, name, id_from
@@ -136,12 +155,17 @@ def find_jobs(snapshot: Snapshot, accepts: Callable[[str, int], bool]) -> list[F
         job = jobs.get(key)
         if job is None:
             container_id, namespace = snapshot.container(root)
-            job = jobs[key] = FoundJob(key, name, id_from, container_id=container_id,
-                                       pid_namespace=namespace)
+            job = jobs[key] = FoundJob(key, name, id_from, snapshot.processes[root].uid,
+                                       container_id=container_id, pid_namespace=namespace)
         job.ranks.extend(ranks)
         job.expected += expected
         if launcher is not None:
             job.launchers.append(launcher)
     for job in jobs.values():
-        job.ranks.sort(key=lambda pid: _rank_order(snapshot, pid))
+        job.rank_of = {pid: _rank_number(snapshot, pid) for pid in job.ranks}
+        job.ranks.sort(key=lambda pid: (_sort_rank(job.rank_of[pid]), pid))
     return list(jobs.values())
+
+
+def _sort_rank(rank: int | None) -> int:
+    return rank if rank is not None else 1 << 31

@@ -9,7 +9,8 @@ prometheus_client in the HTTP server's thread), from a registry of this object's
 own, never the process-wide default one, so nothing happens at import and two
 ``Metrics`` never share series.
 
-Labels stay bounded: ``job`` and ``host`` on everything, ``rank`` only per rank of
+Labels stay bounded: ``job``, ``host`` and ``user`` (the job's owner: two users'
+jobs with one run id are two label sets) on everything, ``rank`` only per rank of
 a job, ``reason``/``type``/``source``/``counter`` from fixed sets; no per-GPU and
 never a per-iteration label. ``job_finished`` removes every series of the job.
 
@@ -93,7 +94,7 @@ GPU_EVENT_TYPES = ("xid", "ecc", "gpu_lost")
 # a cap of the same size keeps a buggy caller from growing the label set.
 _MAX_THROTTLE_REASONS = 64
 
-_JOB = ("job", "host")
+_JOB = ("job", "host", "user")
 
 # Job-level gauges: key in _Job.gauges -> (metric name, help).
 _JOB_GAUGES: dict[str, tuple[str, str]] = {
@@ -193,8 +194,8 @@ def _number(value: Any) -> float | None:
 class _Job:
     """What is exposed for one job; all figures in the metric's unit (s, bytes, 0..1)."""
 
-    host: str
-    info: dict[str, str]  # perfmon_job_info's labels beyond job and host
+    labels: list[str]  # job, host, user
+    info: dict[str, str]  # perfmon_job_info's labels beyond those
     pid_rank: dict[int, int | None]
     iterations: int = 0
     step_buckets: list[int] = field(default_factory=lambda: [0] * len(_BUCKET_LE))
@@ -255,20 +256,23 @@ class Metrics(Collector):
     # -- what the session pushes ---------------------------------------------------------
 
     def job_started(self, job: str, host: str, ranks: Sequence[int | None],
-                    pids: Sequence[int] | None = None) -> None:
+                    pids: Sequence[int] | None = None, *, name: str | None = None,
+                    user: str = "") -> None:
         """A job is monitored from now on: its series appear (counters at 0).
 
-        ``ranks``: the RANK of each monitored process (None where unset); ``pids``,
-        when given, the processes in the same order, so per-rank figures that come
-        by pid (``statistics``' ranks) are labelled with the rank. Starting a job
-        again replaces its series.
+        ``job``: the job's key in every call; ``name`` its ``job`` label (default: the
+        key) and ``user`` its owner's (the ``user`` label). ``ranks``: the RANK of each
+        monitored process (None where unset); ``pids``, when given, the processes in
+        the same order, so per-rank figures that come by pid (``statistics``' ranks)
+        are labelled with the rank. Starting a job again replaces its series.
         """
         known = sorted({r for r in ranks if r is not None})
         info = {"ranks": ",".join(map(str, known)), "processes": str(len(ranks)),
                 "agent_version": self._version}
         pid_rank = dict(zip(pids, ranks, strict=True)) if pids is not None else {}
         with self._lock:
-            self._jobs[job] = _Job(host=host, info=info, pid_rank=pid_rank)
+            self._jobs[job] = _Job(labels=[name if name is not None else job, host, user],
+                                   info=info, pid_rank=pid_rank)
 
     def iteration(self, job: str, step_time_s: float) -> None:
         """One completed iteration of the job; ``step_time_s``: its primary rank's step
@@ -427,20 +431,20 @@ class Metrics(Collector):
         iterations = CounterMetricFamily(
             "perfmon_iterations", "Iterations of the job completed since the agent attached.",
             labels=_JOB)
-        for job, s in jobs:
+        for _key, s in jobs:
             cumulative, buckets = 0, []
             for le, count in zip(_BUCKET_LE, s.step_buckets, strict=True):
                 cumulative += count
                 buckets.append((le, float(cumulative)))
-            step.add_metric([job, s.host], buckets, s.step_sum_s)
-            iterations.add_metric([job, s.host], float(s.iterations))
+            step.add_metric(s.labels, buckets, s.step_sum_s)
+            iterations.add_metric(s.labels, float(s.iterations))
         out += [step, iterations]
 
         for key, (name, doc) in _JOB_GAUGES.items():
             gauge = GaugeMetricFamily(name, doc, labels=_JOB)
-            for job, s in jobs:
+            for _key, s in jobs:
                 if key in s.gauges:
-                    gauge.add_metric([job, s.host], s.gauges[key])
+                    gauge.add_metric(s.labels, s.gauges[key])
             out.append(gauge)
 
         memory = GaugeMetricFamily(
@@ -468,26 +472,26 @@ class Metrics(Collector):
         info = GaugeMetricFamily(
             "perfmon_job_info", "A job this agent monitors (value 1), with static facts.",
             labels=[*_JOB, "ranks", "processes", "agent_version"])
-        for job, s in jobs:
+        for _key, s in jobs:
             for (rank, kind), value in sorted(s.memory_bytes.items()):
-                memory.add_metric([job, s.host, rank, kind], value)
+                memory.add_metric([*s.labels, rank, kind], value)
             if s.job_memory_bytes is not None and s.memory_kind is not None:
-                job_memory.add_metric([job, s.host, s.memory_kind], s.job_memory_bytes)
+                job_memory.add_metric([*s.labels, s.memory_kind], s.job_memory_bytes)
             for reason, value in sorted(s.throttled.items()):
-                throttled.add_metric([job, s.host, reason], value)
+                throttled.add_metric([*s.labels, reason], value)
             for kind, count in s.gpu_events.items():
-                events.add_metric([job, s.host, kind], float(count))
+                events.add_metric([*s.labels, kind], float(count))
             for (source, counter), value in sorted(s.losses.items()):
-                losses.add_metric([job, s.host, source, counter], value)
-            info.add_metric([job, s.host, s.info["ranks"], s.info["processes"],
+                losses.add_metric([*s.labels, source, counter], value)
+            info.add_metric([*s.labels, s.info["ranks"], s.info["processes"],
                              s.info["agent_version"]], 1.0)
         out += [memory, job_memory, throttled, events, losses, info]
 
         for name, doc in RANK_VALUE_NAMES.items():
             gauge = GaugeMetricFamily(f"perfmon_rank_{name}", doc, labels=[*_JOB, "rank"])
-            for job, s in jobs:
+            for _key, s in jobs:
                 for rank, value in sorted(s.rank_values.get(name, {}).items()):
-                    gauge.add_metric([job, s.host, rank], value)
+                    gauge.add_metric([*s.labels, rank], value)
             out.append(gauge)
 
         cpu = CounterMetricFamily(
@@ -560,12 +564,14 @@ class JobMetrics(SessionObserver):
     of one job (an elastic restart) they stay.
     """
 
-    def __init__(self, metrics: Metrics, job: str) -> None:
-        self.metrics, self.job = metrics, job
+    def __init__(self, metrics: Metrics, job: str, name: str | None = None,
+                 user: str = "") -> None:
+        self.metrics, self.job, self.name, self.user = metrics, job, name, user
 
     def started(self, facts: dict[str, Any]) -> None:
         self.metrics.job_started(self.job, str(facts.get("host", self.metrics.host)),
-                                 facts.get("ranks") or [], facts.get("pids"))
+                                 facts.get("ranks") or [], facts.get("pids"), name=self.name,
+                                 user=self.user or str((facts.get("job") or {}).get("user", "")))
 
     def iterations(self, step_times_s: list[float]) -> None:
         for step_s in step_times_s:

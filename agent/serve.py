@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import pwd
+import re
 import resource
 import signal
 import subprocess
@@ -37,6 +38,7 @@ from perfmon.agent.attach_args import (
 )
 from perfmon.agent.config import DEFAULT_CONFIG_PATH, ServiceConfig, load_config
 from perfmon.agent.console import PROG, printable, warn
+from perfmon.agent.heap import limit_malloc_arenas
 from perfmon.agent.metrics import DEFAULT_ADDRESS, Metrics
 from perfmon.agent.notify import Notifier
 from perfmon.agent.outputs import OutputDir
@@ -120,6 +122,7 @@ class _Flags:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    limit_malloc_arenas()
     config = load_config(args.config)
     jobs_root = args.jobs_root or config.jobs_root
     address = args.metrics_address or config.metrics_address or DEFAULT_ADDRESS
@@ -187,10 +190,14 @@ RUN_EPILOG = """examples:
   sudo perfmon-agent run -- bash outputs/llama/logs/scripts/host_0_localhost_run.sh
   sudo perfmon-agent run --model-config llama7b.yaml -- torchrun --nproc-per-node 8 train.py
   sudo perfmon-agent run --user alice -- python train.py
+  sudo perfmon-agent run --preserve-env PYTHONPATH,NCCL_DEBUG --env OMP_NUM_THREADS=8 -- ./train.sh
 
 COMMAND runs as the invoking user (sudo's SUDO_UID), or --user, never as root
-unless root started it; the agent's lines go to stderr, COMMAND's output is its
-own. The exit status is COMMAND's (128+N when signal N ended it).
+unless root started it, in a login's environment for that user (HOME, USER,
+LOGNAME, SHELL, a default PATH, the terminal's and locale's variables; under sudo
+what sudo kept) plus --env and --preserve-env: nothing else of root's. The
+agent's lines go to stderr, COMMAND's output is its own. The exit status is
+COMMAND's (128+N when signal N ended it).
 """
 
 
@@ -200,16 +207,68 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user", metavar="USER",
                         help="run COMMAND as this user (root only; default: the invoking "
                         "user, from sudo's SUDO_UID/SUDO_GID, else this user)")
+    parser.add_argument("--env", action="append", default=[], type=_assignment,
+                        metavar="NAME=VALUE", help="set this variable in COMMAND's "
+                        "environment (repeatable)")
+    parser.add_argument("--preserve-env", action="append", default=[], type=_names,
+                        metavar="NAME[,NAME...]", help="pass these variables of the agent's "
+                        "environment on to COMMAND when it runs as another user (repeatable)")
     parser.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                         help="the job's command line")
 
 
-def _credentials(user: str | None) -> dict[str, Any]:
-    """Popen's user/group/extra_groups and the environment changes for COMMAND's user."""
-    if user is None and os.geteuid() == 0 and os.environ.get("SUDO_UID", "").isdigit():
+_VARIABLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
+# What a login gives a user (Debian's /etc/login.defs ENV_PATH).
+LOGIN_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games"
+# The terminal's and the locale's, never an identity: carried to COMMAND's user.
+SESSION_VARIABLES = ("TERM", "COLORTERM", "LANG", "LANGUAGE", "TZ")
+# What sudo's env_reset keeps of the invoking user's environment beyond those (its
+# default env_keep): the user's own, so carried when sudo started the agent.
+SUDO_KEPT_VARIABLES = ("DISPLAY", "XAUTHORITY", "XAUTHORIZATION", "KRB5CCNAME", "COLORS",
+                       "LS_COLORS", "XDG_CURRENT_DESKTOP")
+
+
+def _assignment(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not _VARIABLE.match(name):
+        raise argparse.ArgumentTypeError(f"not NAME=VALUE: {text!r}")
+    return name, value
+
+
+def _names(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if not _VARIABLE.match(n)]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"not a variable name: {(bad or [text])[0]!r}")
+    return names
+
+
+def job_environment(entry: pwd.struct_passwd, parent: dict[str, str], *, sudo: bool,
+                    preserve: list[str], extra: dict[str, str]) -> dict[str, str]:
+    """COMMAND's environment when it runs as ``entry``'s user: a login's (HOME, USER,
+    LOGNAME, SHELL, a default PATH), the terminal's and locale's variables, under sudo
+    what sudo kept of the invoking user's, then ``preserve`` (names taken from
+    ``parent``) and ``extra``. Nothing else of ``parent``, the agent's (root's)
+    environment, reaches the job."""
+    env = {"HOME": entry.pw_dir, "USER": entry.pw_name, "LOGNAME": entry.pw_name,
+           "SHELL": entry.pw_shell or "/bin/sh", "PATH": LOGIN_PATH}
+    carried = SESSION_VARIABLES + (SUDO_KEPT_VARIABLES if sudo else ())
+    for name, value in parent.items():
+        if name in carried or name.startswith("LC_") or name in preserve:
+            env[name] = value
+    env.update(extra)
+    return env
+
+
+def _credentials(args: argparse.Namespace) -> dict[str, Any]:
+    """Popen's user/group/extra_groups/env for COMMAND's user ({}: COMMAND runs as the
+    agent does, in its environment)."""
+    user: str | None = args.user
+    sudo = user is None and os.geteuid() == 0 and os.environ.get("SUDO_UID", "").isdigit()
+    if sudo:
         user = os.environ["SUDO_UID"]
     if user is None:
-        return {}
+        return {"env": {**os.environ, **dict(args.env)}} if args.env else {}
     if os.geteuid() != 0:
         raise RunCommandError(f"--user {user}: only root can run COMMAND as another user")
     try:
@@ -217,9 +276,15 @@ def _credentials(user: str | None) -> dict[str, Any]:
     except (KeyError, OverflowError):
         raise RunCommandError(f"--user {user}: no such user") from None
     groups = os.getgrouplist(entry.pw_name, entry.pw_gid)
-    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": groups,
-            "env": {**os.environ, "HOME": entry.pw_dir, "USER": entry.pw_name,
-                    "LOGNAME": entry.pw_name}}
+    # sudo's SUDO_GID is the invoking user's group at the time (after newgrp, say);
+    # taken when it is one of the user's groups, never to gain another.
+    sudo_gid = os.environ.get("SUDO_GID", "")
+    gid = int(sudo_gid) if sudo and sudo_gid.isdigit() and int(sudo_gid) in groups else (
+        entry.pw_gid)
+    preserve = [name for names in args.preserve_env for name in names]
+    return {"user": entry.pw_uid, "group": gid, "extra_groups": groups,
+            "env": job_environment(entry, dict(os.environ), sudo=sudo, preserve=preserve,
+                                   extra=dict(args.env))}
 
 
 class _Foreground:
@@ -260,10 +325,11 @@ def run_main(args: argparse.Namespace, summary_printer: Callable[[Any], None]) -
     command = args.job_command[1:] if args.job_command[:1] == ["--"] else args.job_command
     if not command:
         raise RunCommandError("run: no COMMAND given (perfmon-agent run [options] -- COMMAND)")
+    limit_malloc_arenas()
     options = session_options(args, 0)
     # Checked before COMMAND starts: an unfit output dir is an error, not a lost run.
     OutputDir.open(options.output_dir, allow_shared=options.allow_shared_output_dir).close()
-    credentials = _credentials(args.user)
+    credentials = _credentials(args)
     metrics = start_metrics(args.metrics_address)
     foreground = _Foreground()
     try:
@@ -285,7 +351,7 @@ def run_main(args: argparse.Namespace, summary_printer: Callable[[Any], None]) -
     handlers = {s: signal.signal(s, forward)
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     config = ServiceConfig(scan_interval_s=RUN_SCAN_INTERVAL_S, rank_wait_s=5.0,
-                           max_jobs=64, cpu_budget_pct=1e4,
+                           max_jobs=64, max_jobs_per_user=64, cpu_budget_pct=1e4,
                            cpu_budget_per_rank_pct=options.cpu_budget_pct or 1e4,
                            retry_initial_s=5.0, retry_max_s=60.0)
     tracker = JobTracker(options=options, config=config, log=log, metrics=metrics,

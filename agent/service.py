@@ -12,7 +12,16 @@ Prometheus series removed, and everything the tracker held about it dropped.
 
 A job that cannot be attached (no privileges, a missing symbol with
 ``iteration_source: uprobe``, ...) is logged once per distinct reason and
-retried with an exponential back-off. At most ``max_jobs`` are watched at once.
+retried with an exponential back-off.
+
+Slots are shared between users: at most ``max_jobs`` are watched at once, at
+most ``max_jobs_per_user`` of one user; a waiting job goes to the user with the
+fewest watched jobs first (then the job that waited longest), and a watched job
+without an iteration for ``idle_yield_s`` gives its slot to a waiting one (that
+never yielded) and waits for a free slot itself, behind the jobs that never
+yielded. A session restarts for ranks that joined its job only when they fit it
+(a RANK none of its live ranks holds, below its world size), at most once per
+``restart_interval_s``.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -29,7 +39,7 @@ from typing import Any
 
 from perfmon.agent.budget import BudgetPool
 from perfmon.agent.config import ServiceConfig
-from perfmon.agent.jobs import FoundJob, find_jobs, safe_name
+from perfmon.agent.jobs import FoundJob, find_jobs, owner_name, safe_name
 from perfmon.agent.metrics import JobMetrics, Metrics
 from perfmon.agent.outputs import OutputDir, json_bytes
 from perfmon.agent.session import (
@@ -64,9 +74,15 @@ def one_line(err: BaseException) -> str:
 class JobRunner:
     """One monitoring session of a job, in a thread of its own."""
 
-    def __init__(self, session: MonitorSession, targets: list[TargetProcess]) -> None:
+    def __init__(self, session: MonitorSession, targets: list[TargetProcess],
+                 now_s: float) -> None:
         self.session = session
         self.pids = frozenset(t.pid for t in targets)
+        self.ranks = {t.pid: t.rank for t in targets}
+        self.world_size = max((_int_or_none(t.environ.get("WORLD_SIZE")) or 0
+                               for t in targets), default=0) or None
+        self.started_s = now_s
+        self.stopping: str | None = None
         self.result: SessionResult | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True,
@@ -86,21 +102,57 @@ class JobRunner:
         return self.thread.is_alive()
 
     def stop(self, reason: str) -> None:
+        self.stopping = self.stopping or reason
         self.session.stop(reason)
+
+    def idle_s(self, now_s: float) -> float:
+        """Seconds since the session's last iteration (or its start, before the first)."""
+        last_ns = self.session.last_iteration_ns
+        if last_ns is None:
+            return now_s - self.started_s
+        return max(0.0, now_s - last_ns / 1e9)
+
+    def fits(self, found: FoundJob) -> list[int]:
+        """The pids of ``found`` that are new ranks of this session's job: a rank number
+        none of the session's live ranks holds and below its world size (a process
+        that copies a live rank's number is no new rank of this incarnation)."""
+        live = {self.ranks[p] for p in found.ranks if p in self.pids}
+        new = []
+        for pid in found.ranks:
+            rank = found.rank_of.get(pid)
+            if pid in self.pids or (rank is not None and rank in live):
+                continue
+            if rank is not None and self.world_size is not None and rank >= self.world_size:
+                continue
+            new.append(pid)
+        return new
 
 
 @dataclass
 class TrackedJob:
     found: FoundJob
-    name: str  # unique among the jobs tracked: the metrics' job label
+    name: str  # the metrics' job label; unique among the jobs of its user
+    user: str  # the owner's name (the metrics' user label)
     first_seen_s: float
     folder: OutputDir | None = None  # serve: the job's own folder, once attached
     runner: JobRunner | None = None
     next_try_s: float = 0.0
     retry_s: float = 0.0
     last_error: str | None = None
-    limited: bool = False  # said that max_jobs keeps it waiting
+    limited: str | None = None  # the limit that keeps it waiting, once said
+    yielded: int = 0  # times it gave its slot to a waiting job
+    last_restart_s: float = -1e18  # when its session last restarted for new ranks
     record: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """Unique among the tracked jobs: the metrics' key of the job."""
+        return f"{self.user}/{self.name}"
+
+    @property
+    def shown(self) -> str:
+        """The job as the log names it."""
+        return f"{self.name} ({self.user})"
 
 
 class JobTracker:
@@ -113,13 +165,11 @@ class JobTracker:
 
     def __init__(self, *, options: AttachOptions, config: ServiceConfig, log: Callable[[str], None],
                  metrics: Metrics | None = None, scope_pid: int | None = None,
-                 jobs_root: Path | None = None, progress: Callable[[str, dict[str, Any]], None]
-                 | None = None) -> None:
+                 jobs_root: Path | None = None) -> None:
         self.options = options
         self.config = config
         self.log = log
         self.metrics = metrics
-        self.progress = progress
         self.scan = ProcessScan(scope_pid)
         self.host = socket.gethostname()
         self.pool = BudgetPool(config.cpu_budget_pct, config.cpu_budget_per_rank_pct)
@@ -146,16 +196,17 @@ class JobTracker:
         for key, f in found.items():
             job = self.jobs.get(key)
             if job is None:
-                job = self.jobs[key] = TrackedJob(f, self._unique_name(f.name), now_s)
+                user = owner_name(f.uid)
+                job = self.jobs[key] = TrackedJob(f, self._unique_name(f.name, user), user,
+                                                  now_s)
             job.found = f
         self.reap(now_s)
+        waiting: list[TrackedJob] = []
         for key, job in list(self.jobs.items()):
             f = found.get(key)
             if job.runner is not None:
-                # Ranks the session does not watch (more than it started with): the
-                # next session takes them all.
-                if f is not None and f.ready and set(f.ranks) - job.runner.pids:
-                    job.runner.stop("ranks_changed")
+                if f is not None and f.ready:
+                    self._restart_for_new_ranks(job, f, now_s)
                 continue
             if f is None:
                 self._finish(job, "ended")
@@ -165,19 +216,72 @@ class JobTracker:
                 continue
             if not f.ready and now_s - job.first_seen_s < self.config.rank_wait_s:
                 continue  # the launcher has not started (or loaded PyTorch in) all ranks
-            if self.running >= self.config.max_jobs:
-                if not job.limited:
-                    job.limited = True
-                    self.log(f"job {job.name}: not watched: {self.config.max_jobs} jobs are "
-                             "(max_jobs)")
-                continue
-            self._start(job, now_s)
+            waiting.append(job)
+        self._start_waiting(waiting, now_s)
         if self.host_folder is not None and now_s >= self._next_prune_s:
             self._next_prune_s = now_s + PRUNE_INTERVAL_S
             self.prune(time.time())
 
-    def _unique_name(self, name: str) -> str:
-        taken = {j.name for j in self.jobs.values()}
+    def _restart_for_new_ranks(self, job: TrackedJob, found: FoundJob, now_s: float) -> None:
+        """Ranks the session does not watch that fit the job: the next session takes them
+        all, at most once per ``restart_interval_s``."""
+        runner = job.runner
+        assert runner is not None
+        if (runner.stopping is None and runner.fits(found)
+                and now_s - job.last_restart_s >= self.config.restart_interval_s):
+            job.last_restart_s = now_s
+            runner.stop("ranks_changed")
+
+    def _start_waiting(self, waiting: list[TrackedJob], now_s: float) -> None:
+        """Start waiting jobs while slots are free, fairly: the user with the fewest
+        watched jobs first, then the job that yielded least and waited longest. Jobs
+        kept waiting by ``max_jobs`` take the slots of idle ones (``idle_yield_s``)."""
+        cfg = self.config
+        per_user = Counter(j.user for j in self.jobs.values() if j.runner is not None)
+        blocked = 0
+        while waiting:
+            # A job that yielded waits behind those that never did, so that the slot it
+            # gave goes to the job it gave it for, not back to itself.
+            job = min(waiting, key=lambda j: (j.yielded, per_user[j.user], j.first_seen_s))
+            waiting.remove(job)
+            if per_user[job.user] >= cfg.max_jobs_per_user:
+                self._limited(job, "max_jobs_per_user", f"{job.user} has "
+                              f"{cfg.max_jobs_per_user} jobs watched (max_jobs_per_user)")
+                continue
+            if self.running >= cfg.max_jobs:
+                # Only jobs that never yielded take the slots of idle ones: idle jobs do
+                # not hand one slot around among themselves.
+                blocked += job.yielded == 0
+                self._limited(job, "max_jobs", f"{cfg.max_jobs} jobs are (max_jobs)")
+                continue
+            self._start(job, now_s)
+            if job.runner is not None:
+                per_user[job.user] += 1
+        if blocked:
+            self._yield_idle(blocked, now_s)
+
+    def _limited(self, job: TrackedJob, limit: str, why: str) -> None:
+        if job.limited != limit:
+            job.limited = limit
+            self.log(f"job {job.shown}: not watched: {why}")
+
+    def _yield_idle(self, wanted: int, now_s: float) -> None:
+        """Stop up to ``wanted`` sessions without an iteration for ``idle_yield_s`` (the
+        longest idle first); their jobs wait for a free slot like any other."""
+        idle = sorted(((j.runner.idle_s(now_s), j) for j in self.jobs.values()
+                       if j.runner is not None and j.runner.stopping is None),
+                      key=lambda pair: pair[0], reverse=True)
+        for idle_s, job in idle[:wanted]:
+            if idle_s < self.config.idle_yield_s:
+                break
+            assert job.runner is not None
+            job.yielded += 1
+            job.runner.stop("yielded")
+            self.log(f"job {job.shown}: no iteration for {idle_s:.0f} s: its "
+                     "slot goes to a waiting job (it is watched again when one is free)")
+
+    def _unique_name(self, name: str, user: str) -> str:
+        taken = {j.name for j in self.jobs.values() if j.user == user}
         unique, n = name, 1
         while unique in taken:
             n += 1
@@ -192,9 +296,13 @@ class JobTracker:
         problems: list[str] = []
         for pid in f.ranks:
             try:
-                targets.append(inspect_process(pid))
+                target = inspect_process(pid)
             except ProbeError as err:
                 problems.append(str(err))
+                continue
+            # The pid may have been reused since the scan: only the job's owner's.
+            if target.uid == f.uid:
+                targets.append(target)
         if not targets:
             self._failed(job, now_s, "; ".join(problems) or "no rank left")
             return
@@ -204,7 +312,7 @@ class JobTracker:
         except OSError as err:
             self._failed(job, now_s, f"cannot create its folder: {err.strerror}")
             return
-        job.limited = False
+        job.limited = None
         job.record["ranks"] = [{"pid": t.pid, "rank": t.rank,
                                 "local_rank": _int_or_none(t.environ.get("LOCAL_RANK"))}
                                for t in targets]
@@ -214,29 +322,22 @@ class JobTracker:
                       else self.options.output_dir)
         options = replace(self.options, pid=(f.launchers or [targets[0].pid])[0],
                           output_dir=output_dir)
-        observer: SessionObserver = (JobMetrics(self.metrics, job.name)
+        observer: SessionObserver = (JobMetrics(self.metrics, job.key, job.name, job.user)
                                      if self.metrics is not None else SessionObserver())
         context = SessionContext(
             targets=targets, observer=observer, budget_pool=self.pool,
             setup_lock=self.setup_lock, handle_signals=False,
-            job={"id": f.name, "name": job.name, "id_from": f.id_from, "host": self.host,
-                 "container_id": f.container_id, "pid_namespace": f.pid_namespace,
+            job={"id": f.name, **self._identity(job),
                  "folder": str(output_dir) if job.folder is not None else None})
-        progress = self.progress
-
-        def on_entry(entry: dict[str, Any]) -> None:
-            if progress is not None:
-                progress(job.name, entry)
-
-        session = MonitorSession(options, on_entry,
-                                 warn=lambda line: self.log(f"job {job.name}: {line}"),
+        session = MonitorSession(options, lambda _entry: None,
+                                 warn=lambda line: self.log(f"job {job.shown}: {line}"),
                                  context=context)
-        job.runner = JobRunner(session, targets)
+        job.runner = JobRunner(session, targets, now_s)
         job.runner.start()
         if job.last_error is not None:
             return  # retrying: said once, when it first failed
         ranks = ",".join(str(t.rank) if t.rank is not None else "-" for t in targets)
-        self.log(f"job {job.name}: attaching to {len(targets)} rank(s) (ranks {ranks}; pids "
+        self.log(f"job {job.shown}: attaching to {len(targets)} rank(s) (ranks {ranks}; pids "
                  f"{','.join(str(t.pid) for t in targets)}) -> {output_dir}")
 
     def _failed(self, job: TrackedJob, now_s: float, reason: str) -> None:
@@ -249,7 +350,7 @@ class JobTracker:
         job.record["last_attach_error"] = reason
         if reason != job.last_error:
             job.last_error = reason
-            self.log(f"job {job.name}: cannot attach: {reason} (retrying with back-off, "
+            self.log(f"job {job.shown}: cannot attach: {reason} (retrying with back-off, "
                      "said once)")
         self._write_record(job)
 
@@ -278,13 +379,13 @@ class JobTracker:
                 "cause": (info.get("exit") or {}).get("cause"),
             })
             cause = job.record["segments"][-1]["cause"]
-            self.log(f"job {job.name}: session ended ({info.get('end_reason')}): "
+            self.log(f"job {job.shown}: session ended ({info.get('end_reason')}): "
                      f"{info.get('total_iterations')} iterations"
                      + (f"; rank {cause['rank']} (pid {cause['pid']}) failed first: "
                         f"{cause['what']}" if cause else "")
                      + f"; summary {result.summary_path}")
             if result.write_error is not None:
-                self.log(f"job {job.name}: {result.write_error}")
+                self.log(f"job {job.shown}: {result.write_error}")
             self._write_record(job)
 
     def _finish(self, job: TrackedJob, status: str) -> None:
@@ -292,9 +393,9 @@ class JobTracker:
         if job.record:
             job.record.update(status=status, ended=_now_iso())
             self._write_record(job)
-            self.log(f"job {job.name}: {status}")
+            self.log(f"job {job.shown}: {status}")
         if self.metrics is not None:
-            self.metrics.job_finished(job.name)
+            self.metrics.job_finished(job.key)
         if job.folder is not None:
             job.folder.close()
             job.folder = None
@@ -321,7 +422,7 @@ class JobTracker:
     def _job_folder(self, job: TrackedJob, targets: list[TargetProcess]) -> OutputDir:
         assert self.host_folder is not None
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        folder = self.host_folder.make_subdir(f"{job.name}.{stamp}")
+        folder = self.host_folder.make_subdir(f"{job.name}.{job.user}.{stamp}")
         f = job.found
         launcher = None
         if f.launchers:
@@ -331,8 +432,7 @@ class JobTracker:
                 pass
         job.record = {
             "agent": "perfmon-agent", "agent_version": agent_version(),
-            "job_id": f.name, "name": job.name, "id_from": f.id_from, "host": self.host,
-            "container_id": f.container_id, "pid_namespace": f.pid_namespace,
+            "job_id": f.name, **self._identity(job),
             "launcher": ({"pid": launcher.pid, "command_line": launcher.shown_cmdline}
                          if launcher is not None else None),
             "command_line": targets[0].shown_cmdline,
@@ -341,13 +441,20 @@ class JobTracker:
         }
         return folder
 
+    def _identity(self, job: TrackedJob) -> dict[str, Any]:
+        """Who the job is, as its record and its sessions' ``session_info.job`` say."""
+        f = job.found
+        return {"name": job.name, "id_from": f.id_from, "host": self.host, "uid": f.uid,
+                "user": job.user, "container_id": f.container_id,
+                "pid_namespace": f.pid_namespace}
+
     def _write_record(self, job: TrackedJob) -> None:
         if job.folder is None or not job.record:
             return
         try:
             job.folder.replace(JOB_RECORD, json_bytes(job.record))
         except OSError as err:
-            self.log(f"job {job.name}: cannot write {JOB_RECORD}: {err.strerror}")
+            self.log(f"job {job.shown}: cannot write {JOB_RECORD}: {err.strerror}")
 
     def prune(self, now_wall_s: float) -> None:
         """Remove finished job folders beyond ``keep_jobs`` and older than ``keep_days``.

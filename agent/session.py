@@ -25,7 +25,8 @@ from typing import Any
 from perfmon.agent.budget import DEFAULT_BUDGET_PCT, BudgetPool, CpuBudget
 from perfmon.agent.eventlog import DEFAULT_PART_BYTES, EventLogWriter
 from perfmon.agent.health import run_health_check
-from perfmon.agent.jobs import job_identity
+from perfmon.agent.heap import release_freed_memory
+from perfmon.agent.jobs import job_identity, owner_name
 from perfmon.agent.model import Workload, build_workload, explicit_model_fields, resolve_model
 from perfmon.agent.outputs import OutputDir, OutputDirError, OutputNotWritable, json_bytes
 from perfmon.agent.reducers import DEFAULT_MAX_LOG_ENTRIES, Summarizer
@@ -185,6 +186,9 @@ class MonitorSession:
         self.warn = warn
         self.context = context or SessionContext()
         self._measured = 0  # step times handed to the observer
+        # The latest iteration's end (CLOCK_MONOTONIC ns), read by the node service
+        # from its own thread (an idle job yields its slot).
+        self.last_iteration_ns: int | None = None
         self._stop_reason: str | None = None
         self._hang_since: int | None = None  # iterations_ended when the hang was declared
         self._hang_facts: dict[str, Any] | None = None  # while its dump runs
@@ -270,6 +274,9 @@ class MonitorSession:
                                facts_extra=facts_extra, dumps=dumps)
             for record in first_gpu_records:
                 self._log(live, record.to_record())
+            # bcc's compiler has freed what it used: back to the system, or a service
+            # with many sessions keeps it all (perfmon.agent.heap).
+            release_freed_memory()
             return live
 
     def _begin(self, out: OutputDir, targets: list[TargetProcess], sources: list[Source], *,
@@ -305,7 +312,8 @@ class MonitorSession:
         # primary rank's job variables, as the service would (perfmon.agent.jobs).
         name, id_from = job_identity(primary.environ, f"{primary.name}-{primary.pid}")
         facts["job"] = self.context.job or {"id": name, "name": name, "id_from": id_from,
-                                            "host": facts["host"]}
+                                            "host": facts["host"], "uid": primary.uid,
+                                            "user": owner_name(primary.uid)}
         summarizer = Summarizer(
             workload, primary.pid, start_ns, start_wall.timestamp(), opts.log_interval,
             stack_sampling=stacks is not None, cuda_counters=facts["cuda"]["available"],
@@ -406,6 +414,7 @@ class MonitorSession:
             self.context.observer.iterations(
                 [ns / 1e9 for ns in clock.step_times_ns(self._measured)])
             self._measured = clock.measured
+            self.last_iteration_ns = live.summarizer.last_end_t_mono_ns
         return completed
 
     def _log(self, live: _Live, record: dict[str, Any]) -> bool:

@@ -39,6 +39,7 @@ class TargetProcess:
     torch_library: str  # path as the target sees it (inside its mount namespace)
     create_time: float
     torch_mapping: procfs.MappedFile | None = None  # its first mapping (for map_files)
+    uid: int = -1  # its effective uid (the owner of its /proc entry); -1: not read
 
     @property
     def rank(self) -> int | None:
@@ -100,6 +101,7 @@ def inspect_process(pid: int) -> TargetProcess:
     try:
         proc = psutil.Process(pid)
         name, create_time, state = proc.name(), proc.create_time(), proc.status()
+        uid = proc.uids().effective
     except psutil.NoSuchProcess as err:
         raise NoSuchProcess(f"pid {pid}: no such process") from err
     except psutil.AccessDenied as err:
@@ -127,7 +129,7 @@ def inspect_process(pid: int) -> TargetProcess:
         _read(pid, "environ", binary=True), ENVIRON_KEYS  # type: ignore[arg-type]
     )
     return TargetProcess(pid, name, cmdline, environ, torch_mapping.path, create_time,
-                         torch_mapping)
+                         torch_mapping, uid)
 
 
 def resolve_targets(pid: int) -> list[TargetProcess]:

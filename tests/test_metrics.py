@@ -91,7 +91,11 @@ def final_statistics(**changes: Any) -> dict[str, Any]:
 
 
 def start_job(metrics: Metrics, job: str = "llama", host: str = "node-a") -> None:
-    metrics.job_started(job, host, [0, 1], pids=[4242, 4243])
+    metrics.job_started(job, host, [0, 1], pids=[4242, 4243], user="alice")
+
+
+LLAMA = {"job": "llama", "host": "node-a", "user": "alice"}  # the labels of a job's series
+SOLO = {**LLAMA, "job": "solo"}
 
 
 def feed(metrics: Metrics, job: str = "llama", host: str = "node-a") -> None:
@@ -117,7 +121,7 @@ def metrics() -> Iterator[Metrics]:
 def test_step_times_fill_the_histogram_and_count_iterations(metrics: Metrics) -> None:
     feed(metrics)
     s = exposed(metrics)
-    job = {"job": "llama", "host": "node-a"}
+    job = {"job": "llama", "host": "node-a", "user": "alice"}
     assert value(s, "perfmon_iterations_total", **job) == 4
     assert value(s, "perfmon_step_time_seconds_count", **job) == 4
     assert value(s, "perfmon_step_time_seconds_sum", **job) == pytest.approx(0.75)
@@ -137,7 +141,7 @@ def test_step_times_fill_the_histogram_and_count_iterations(metrics: Metrics) ->
 def test_interval_and_statistics_in_prometheus_units(metrics: Metrics) -> None:
     feed(metrics)
     s = exposed(metrics)
-    job = {"job": "llama", "host": "node-a"}
+    job = {"job": "llama", "host": "node-a", "user": "alice"}
     assert value(s, "perfmon_tokens_per_second", **job) == 5120
     assert value(s, "perfmon_samples_per_second", **job) == 40
     assert value(s, "perfmon_tflops_per_gpu", **job) == 120
@@ -178,7 +182,7 @@ def test_interval_and_statistics_in_prometheus_units(metrics: Metrics) -> None:
 def test_hung_is_one_while_hung(metrics: Metrics) -> None:
     feed(metrics)
     metrics.statistics("llama", final_statistics(), hung=True)
-    assert value(exposed(metrics), "perfmon_hung", job="llama", host="node-a") == 1
+    assert value(exposed(metrics), "perfmon_hung", **LLAMA) == 1
 
 
 def test_unknown_figures_have_no_sample(metrics: Metrics) -> None:
@@ -196,13 +200,13 @@ def test_unknown_figures_have_no_sample(metrics: Metrics) -> None:
                  "perfmon_gpu_power_watts", "perfmon_gpu_throttled", "perfmon_rank_wait_seconds",
                  "perfmon_rank_made_up_seconds"):
         assert name not in present, name
-    assert value(s, "perfmon_job_memory_bytes", job="llama", host="node-a", kind="rss") == GIB / 2
+    assert value(s, "perfmon_job_memory_bytes", **LLAMA, kind="rss") == GIB / 2
     assert value(s, "perfmon_agent_cpu_seconds_total", host="node-a") is None  # not told yet
 
     # Known, then unknown again: the sample goes (a stale figure is not shown as current).
     metrics.interval("llama", ENTRY)
     metrics.statistics("llama", final_statistics(), hung=False)
-    assert value(exposed(metrics), "perfmon_mfu_ratio", job="llama", host="node-a") == 0.3
+    assert value(exposed(metrics), "perfmon_mfu_ratio", **LLAMA) == 0.3
     metrics.interval("llama", {"step_time_ms": 24.0})
     present = names_with(exposed(metrics), job="llama")
     assert {"perfmon_tokens_per_second", "perfmon_mfu_ratio", "perfmon_gpu_throttled",
@@ -214,7 +218,7 @@ def test_job_memory_waits_for_the_memory_kind(metrics: Metrics) -> None:
     metrics.interval("llama", {"memory_GB": 1.0})
     assert "perfmon_job_memory_bytes" not in names_with(exposed(metrics), job="llama")
     metrics.statistics("llama", final_statistics(memory_kind="rss"), hung=False)
-    assert value(exposed(metrics), "perfmon_job_memory_bytes", job="llama", host="node-a",
+    assert value(exposed(metrics), "perfmon_job_memory_bytes", **LLAMA,
                  kind="rss") == GIB
 
 
@@ -223,21 +227,21 @@ def test_throttle_reason_reads_zero_once_gone(metrics: Metrics) -> None:
     metrics.interval("llama", ENTRY)
     metrics.interval("llama", {**ENTRY, "gpu_throttle_reasons": ["hw_slowdown"]})
     s = exposed(metrics)
-    job = {"job": "llama", "host": "node-a"}
+    job = {"job": "llama", "host": "node-a", "user": "alice"}
     assert value(s, "perfmon_gpu_throttled", reason="sw_power_cap", **job) == 0
     assert value(s, "perfmon_gpu_throttled", reason="hw_slowdown", **job) == 1
 
 
 def test_ranks_without_rank_are_labelled_by_pid(metrics: Metrics) -> None:
-    metrics.job_started("solo", "node-a", [None])
+    metrics.job_started("solo", "node-a", [None], user="alice")
     metrics.rank_values("solo", None, 777, {"straggler": 0.0})
     metrics.statistics("solo", final_statistics(
         ranks=[{"pid": 777, "peak_rss_gb": 1.0, "peak_gpu_memory_gb": None}]), hung=False)
     s = exposed(metrics)
-    assert value(s, "perfmon_rank_straggler", job="solo", host="node-a", rank="pid:777") == 0
-    assert value(s, "perfmon_memory_bytes", job="solo", host="node-a", rank="pid:777",
+    assert value(s, "perfmon_rank_straggler", **SOLO, rank="pid:777") == 0
+    assert value(s, "perfmon_memory_bytes", **SOLO, rank="pid:777",
                  kind="rss") == GIB
-    assert value(s, "perfmon_job_info", job="solo", host="node-a", ranks="", processes="1",
+    assert value(s, "perfmon_job_info", **SOLO, ranks="", processes="1",
                  agent_version=dict(next(lbls for name, lbls in s
                                          if name == "perfmon_job_info"))["agent_version"]) == 1
 
@@ -267,7 +271,7 @@ def test_statistics_replace_ranks_that_left(metrics: Metrics) -> None:
         {"pid": 4242, "peak_rss_gb": 2.0, "peak_gpu_memory_gb": None}]), hung=False)
     memory = {k for k in exposed(metrics) if k[0] == "perfmon_memory_bytes"}
     assert memory == {("perfmon_memory_bytes", frozenset(
-        {"job": "llama", "host": "node-a", "rank": "0", "kind": "rss"}.items()))}
+        {"job": "llama", "host": "node-a", "user": "alice", "rank": "0", "kind": "rss"}.items()))}
 
 
 def test_calls_are_cheap(metrics: Metrics) -> None:
@@ -297,7 +301,7 @@ def test_serve_on_a_free_port_and_close(metrics: Metrics, address: str) -> None:
     assert host == parse_address(address)[0] and port > 0
     url_host = f"[{host}]" if ":" in host else host
     text = get(f"http://{url_host}:{port}/metrics")
-    assert 'perfmon_iterations_total{host="node-a",job="llama"} 4.0' in text
+    assert 'perfmon_iterations_total{host="node-a",job="llama",user="alice"} 4.0' in text
     metrics.close()
     metrics.close()  # idempotent
     with pytest.raises(OSError):
@@ -412,7 +416,7 @@ def test_real_prometheus_scrapes_the_metrics_and_runs_the_rules(tmp_path: Path) 
     prometheus: Prometheus | None = None
     try:
         _, port = metrics.serve("127.0.0.1:0")
-        metrics.job_started("llama-test", "node-a", [0, 1], pids=[4242, 4243])
+        metrics.job_started("llama-test", "node-a", [0, 1], pids=[4242, 4243], user="alice")
         metrics.agent(cpu_seconds_total=1.0, resident_bytes=40_000_000, jobs=1)
         prometheus = Prometheus(binary, tmp_path, [f"127.0.0.1:{port}"])
         prometheus.wait_ready()

@@ -220,8 +220,8 @@ def test_a_torchrun_job_and_a_second_one_are_found_attached_measured_and_finaliz
         assert name_a != name_b
 
         def step_count(text: str, name: str) -> float:
-            match = re.search(rf'perfmon_step_time_seconds_count{{host="[^"]+",job="{name}"}} '
-                              r"(\S+)", text)
+            match = re.search(rf'perfmon_step_time_seconds_count{{host="[^"]+",job="{name}",'
+                              r'user="[^"]+"} (\S+)', text)
             return float(match.group(1)) if match else 0.0
 
         wait_for(lambda: step_count(service.metrics(), name_a) > 10
@@ -331,7 +331,7 @@ def test_sighup_reloads_the_config_and_sigterm_finalizes_within_10_s(
     job = jobs.python()
     folder = service.job_folder(job.pid)
     name = record(folder)["name"]
-    wait_for(lambda: re.search(rf'perfmon_iterations_total{{[^}}]*job="{name}"}} [1-9]',
+    wait_for(lambda: re.search(rf'perfmon_iterations_total{{[^}}]*job="{name}"[^}}]*}} [1-9]',
                                service.metrics()), 60, "iterations")
     start = time.monotonic()
     service.proc.send_signal(signal.SIGTERM)

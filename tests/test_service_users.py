@@ -1,0 +1,275 @@
+"""The node service on a node shared by two ordinary users: a job belongs to its user.
+
+User A trains; user B, who can set any environment variable in processes of their
+own, copies A's rendezvous id or master address into Python processes that map
+the real libtorch, makes them fail, restarts them, and starts twenty of them. The
+real `perfmon-agent serve` (as root) must keep A's job A's: its ranks, its one
+session, its exit cause, its Prometheus series, and a slot for A's next job.
+
+One service runs for the module (its config reloaded between tests with SIGHUP).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import TRAIN_GPT, _reap, wait_for
+from tests.prom import free_port
+from tests.test_security import job_user, other_user  # noqa: F401  (the two users)
+from tests.test_service import SCAN_S, TAG, Service, ended, rank_pids, record, summaries
+
+pytestmark = pytest.mark.usefixtures("ebpf")
+
+_TORCH = importlib.util.find_spec("torch")
+assert _TORCH is not None and _TORCH.submodule_search_locations
+LIBTORCH = Path(_TORCH.submodule_search_locations[0]) / "lib" / "libtorch_cpu.so"
+# A Python process that maps the real libtorch (every symbol the probes need) and never
+# trains: what a user can start in a second, as often as they like.
+FAKE = ("import ctypes, sys, time; ctypes.CDLL(sys.argv[1]); time.sleep(float(sys.argv[2])); "
+        "sys.exit(int(sys.argv[3]))")
+
+
+class UserJobs:
+    """Processes started as one ordinary user, in a folder of theirs; always reaped."""
+
+    def __init__(self, user: pwd.struct_passwd) -> None:
+        self.user = user
+        self.home = Path(tempfile.mkdtemp(prefix=f"perfmon-{user.pw_name}-", dir="/tmp"))
+        os.chown(self.home, user.pw_uid, user.pw_gid)
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            ["setpriv", f"--reuid={self.user.pw_uid}", f"--regid={self.user.pw_gid}",
+             "--init-groups", *argv],
+            env={"PATH": os.environ["PATH"], "HOME": str(self.home), **(env or {})},
+            cwd=self.home, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def fake(self, seconds: float, exit_code: int = 0, **env: str) -> subprocess.Popen:
+        return self.start([sys.executable, "-c", FAKE, str(LIBTORCH), str(seconds),
+                           str(exit_code), TAG], env)
+
+    def torchrun(self, run_id: str, *args: str) -> subprocess.Popen:
+        return self.start([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                           "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
+                           str(TRAIN_GPT), "--ddp", "--tag", TAG, *args])
+
+    def python(self, *args: str, env: dict[str, str]) -> subprocess.Popen:
+        return self.start([sys.executable, str(TRAIN_GPT), "--tag", TAG, *args], env)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            _reap(proc)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = Service(tmp_path_factory.mktemp("serve-users"))
+    try:
+        wait_for(lambda: "READY=1" in svc.received() or svc.proc.poll() is not None, 30,
+                 "READY=1")
+        assert svc.proc.poll() is None, svc.log()
+        yield svc
+    finally:
+        svc.close()
+
+
+@pytest.fixture
+def alice(job_user: pwd.struct_passwd) -> Iterator[UserJobs]:  # noqa: F811
+    jobs = UserJobs(job_user)
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture
+def bob(other_user: pwd.struct_passwd) -> Iterator[UserJobs]:  # noqa: F811
+    jobs = UserJobs(other_user)
+    yield jobs
+    jobs.close()
+
+
+def reconfigure(service: Service, **config: Any) -> None:
+    """Reload the module's service with ``config`` over its base config."""
+    marker = "configuration reloaded"
+    before = service.log().count(marker)
+    service.write_config({**service.config, **config})
+    service.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: service.log().count(marker) > before, 10, "the reload")
+
+
+def job_series(text: str, name: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample with job label ``name``: (metric, labels, value)."""
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text)
+            for s in family.samples if s.labels.get("job") == name]
+
+
+def folders_of(service: Service, user: pwd.struct_passwd) -> list[Path]:
+    found = []
+    for path in service.jobs_root.glob("*/*/job.json"):
+        try:
+            if json.loads(path.read_text()).get("uid") == user.pw_uid:
+                found.append(path.parent)
+        except ValueError:
+            continue  # being replaced
+    return found
+
+
+def assert_only_alices(folder: Path, pids: list[int], alice_user: pwd.struct_passwd) -> None:
+    job = record(folder)
+    assert job["uid"] == alice_user.pw_uid and job["user"] == alice_user.pw_name
+    assert sorted(r["pid"] for r in job["ranks"]) == sorted(pids)
+    for segment in job["segments"]:
+        assert sorted(segment["pids"]) == sorted(pids), segment
+
+
+def test_another_users_process_with_the_run_id_never_joins_ends_or_fails_the_job(
+        service: Service, alice: UserJobs, bob: UserJobs) -> None:
+    run_id = f"shared-run-{uuid.uuid4().hex[:6]}"
+    launcher = alice.torchrun(run_id, "--train-iters", "500")
+    pids = rank_pids(launcher, 2)
+    folder = service.job_folder(pids[0])
+    name = record(folder)["name"]
+    wait_for(lambda: list(folder.glob("perf_summary_*.json")), 60, "A's first summary")
+
+    # B: rank 0 with A's run id that stays; rank 1 that fails with exit code 1; and a
+    # process that comes and goes four times.
+    squatter = bob.fake(600, TORCHELASTIC_RUN_ID=run_id, RANK="0", WORLD_SIZE="2")
+    failing = bob.fake(3, 1, TORCHELASTIC_RUN_ID=run_id, RANK="1", WORLD_SIZE="2")
+    for _ in range(4):
+        flapping = bob.fake(2 * SCAN_S, TORCHELASTIC_RUN_ID=run_id, RANK="1")
+        assert flapping.wait(timeout=30) == 0
+    assert failing.wait(timeout=30) == 1
+    # B's processes make a job of B's own, in a folder of its own, with B's label set.
+    bob_folder = service.job_folder(squatter.pid)
+    assert bob_folder != folder and record(bob_folder)["user"] == bob.user.pw_name
+    assert record(bob_folder)["job_id"] == record(folder)["job_id"]
+
+    # A's series are A's: two processes, A's user label, A's rank 0 with A's memory.
+    def alices_memory() -> float | None:
+        series = job_series(service.metrics(), name)
+        assert {labels["user"] for _, labels, _ in series} <= {alice.user.pw_name,
+                                                               bob.user.pw_name}
+        info = [labels for metric, labels, _ in series if metric == "perfmon_job_info"
+                and labels["user"] == alice.user.pw_name]
+        assert [i["processes"] for i in info] in ([], ["2"]), info
+        return next((v for metric, labels, v in series if metric == "perfmon_memory_bytes"
+                     and labels["user"] == alice.user.pw_name and labels["rank"] == "0"
+                     and labels["kind"] == "rss"), None)
+    assert wait_for(alices_memory, 30, "A's rank 0 memory") > 100 * 2**20
+    squatter.kill()
+    squatter.wait()
+
+    job = wait_for(lambda: ended(folder), 180, "A's job to end")
+    assert_only_alices(folder, pids, alice.user)
+    [segment] = job["segments"]  # never restarted, never ranks_changed
+    assert segment["end_reason"] == "target_exited" and segment["cause"] is None
+    [summary] = summaries(folder)
+    info = summary["session_info"]
+    assert sorted(info["pids"]) == sorted(pids) and info["exit"]["cause"] is None
+    assert info["job"]["user"] == alice.user.pw_name
+    assert info["total_iterations"] > 100
+    assert "rank 1" not in service.log().split(f"job {name} ({alice.user.pw_name})")[-1]
+
+
+def test_another_users_process_with_the_master_address_never_joins_or_fails_the_job(
+        service: Service, alice: UserJobs, bob: UserJobs) -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    ranks = [alice.python("--train-iters", "300", env={**env, "RANK": str(r)})
+             for r in (0, 1)]
+    folder = wait_for(lambda: next((f for f in folders_of(service, alice.user)
+                                    if sorted(r["pid"] for r in record(f).get("ranks") or [])
+                                    == sorted(p.pid for p in ranks)), None), 60, "A's job")
+    failing = bob.fake(4, 1, **env, RANK="1")
+    # And A's own strays: a second rank 1, a rank 7 of a world of 2. Neither fits the
+    # job (a live rank holds 1; 7 is beyond its world): no new session.
+    strays = [alice.fake(3 * SCAN_S, **env, RANK=rank) for rank in ("1", "7")]
+    assert failing.wait(timeout=30) == 1
+    assert [p.wait(timeout=30) for p in strays] == [0, 0]
+    time.sleep(2 * SCAN_S)
+    assert record(folder)["status"] == "running"
+    job = wait_for(lambda: ended(folder), 180, "A's job to end")
+    assert_only_alices(folder, [p.pid for p in ranks], alice.user)
+    [segment] = job["segments"]
+    assert segment["cause"] is None and job["id_from"] == "MASTER_ADDR:MASTER_PORT"
+    [summary] = summaries(folder)
+    assert summary["session_info"]["exit"]["cause"] is None
+
+
+def attach_line(service: Service, pid: int) -> bool:
+    return re.search(rf"attaching to \d+ rank\(s\) \(ranks [-\d,]+; pids ([\d,]*,)?{pid}[,)]",
+                     service.log()) is not None
+
+
+def test_twenty_fake_jobs_of_one_user_leave_slots_for_another_users_job(
+        service: Service, alice: UserJobs, bob: UserJobs) -> None:
+    fakes = [bob.fake(600) for _ in range(20)]
+    # B gets max_jobs_per_user (8) of the 16 slots; the rest of B's wait, said once each.
+    wait_for(lambda: sum(attach_line(service, p.pid) for p in fakes) >= 8, 120,
+             "eight of B's fakes to be attached")
+    wait_for(lambda: service.log().count("(max_jobs_per_user)") >= 12, 3 * SCAN_S + 5,
+             "the other twelve to wait")
+    time.sleep(2 * SCAN_S)
+    assert sum(attach_line(service, p.pid) for p in fakes) == 8
+    job = alice.python("--train-iters", "200", env={})
+    wait_for(lambda: "libtorch_cpu" in open(f"/proc/{job.pid}/maps").read(), 60,
+             "A's job to load PyTorch", interval_s=0.05)
+    loaded_s = time.monotonic()
+    wait_for(lambda: attach_line(service, job.pid), SCAN_S + 3, "A's job to be attached",
+             interval_s=0.05)
+    assert time.monotonic() - loaded_s <= SCAN_S + 1.0
+    folder = service.job_folder(job.pid)
+    done = wait_for(lambda: ended(folder), 180, "A's job to end")
+    assert done["segments"][0]["iterations"] > 100
+    for fake in fakes:
+        fake.kill()
+
+
+def test_a_job_without_iterations_yields_its_slot_to_a_waiting_job(
+        service: Service, alice: UserJobs, bob: UserJobs) -> None:
+    reconfigure(service, max_jobs=2, max_jobs_per_user=2, idle_yield_s=10)
+    try:
+        fakes = [bob.fake(600) for _ in range(2)]
+        wait_for(lambda: all(attach_line(service, p.pid) for p in fakes), 60,
+                 "B's two fakes to take both slots")
+        job = alice.python(env={})  # trains until it is ended
+        wait_for(lambda: "not watched: 2 jobs are (max_jobs)" in service.log(), 30,
+                 "A's job to wait")
+        waited_s = time.monotonic()
+        wait_for(lambda: attach_line(service, job.pid), 40, "A's job to get a slot")
+        # The fakes had trained for no iteration in 10 s: one of them yields.
+        assert time.monotonic() - waited_s <= 10 + 3 * SCAN_S + 5
+        wait_for(lambda: [f for f in folders_of(service, bob.user)
+                          if any(s.get("end_reason") == "yielded"
+                                 for s in record(f)["segments"])], 30,
+                 "a segment of B's that ended as yielded")
+        assert "its slot goes to a waiting job" in service.log()
+        folder = service.job_folder(job.pid)
+        wait_for(lambda: [s for s in summaries(folder)
+                          if s["session_info"]["total_iterations"] > 20], 60,
+                 "A's job to be measured")
+        for proc in (job, *fakes):
+            proc.kill()
+    finally:
+        reconfigure(service)
