@@ -43,6 +43,7 @@ from perfmon.parsers.stack_analysis import IterationDetector, classify_phase
 # A new phase must last this long to begin a run (see SampledIterationClock.feed).
 CONFIRM_NS = 10_000_000
 MEDIAN_OF = 51  # recent backward runs whose median lengths judge a long one
+MIN_RUNS = 4  # ... and at least this many (a merged run is lost in the first seconds too)
 # Without a usable counter read for this long, held ends are passed on anyway.
 MAX_HOLD_NS = 15_000_000_000
 
@@ -207,8 +208,9 @@ class SampledIterationClock:
         one means the samples missed whole backward runs, whose ends are restored
         at the starts of the forward runs after the first. (Fewer proves nothing:
         a 50 ms forward goes unsampled now and then.) And a backward run lasting
-        over twice the usual, about as long as k micro-batches, is k runs whose
-        forward, optimizer and data loading in between went unsampled.
+        about as long as k micro-batches (k >= 2, rounded from its length against
+        the usual run and cycle) is k runs whose forward, optimizer and data
+        loading in between went unsampled.
         """
         while len(self._candidates) >= (1 if final else 2):
             first = self._candidates.pop(0)
@@ -222,10 +224,15 @@ class SampledIterationClock:
     def _split_long_run(self, candidate: _Candidate) -> list[_Candidate]:
         previous = self._checked[-1].t_mono_ns if self._checked else None
         pieces = [candidate]
-        if len(self._runs) >= 10:
+        if len(self._runs) >= MIN_RUNS and self._cycles:
             run, cycle = statistics.median(self._runs), statistics.median(self._cycles)
-            if candidate.run_ns > 2 * run and cycle > run:
-                k = round((candidate.run_ns + cycle - run) / cycle)
+            # A run holding k micro-batches lasts about run + (k - 1) x cycle: k is
+            # rounded from the length, so one over run + cycle / 2 holds two or more.
+            # (A fixed "twice the usual" missed merged runs of 166 ms against a usual
+            # 85 at 120 ms cycles; a lower bound splits single runs a busy machine
+            # slowed, counting iterations twice.)
+            k = round((candidate.run_ns + cycle - run) / cycle) if cycle > run else 1
+            if k >= 2:
                 start = candidate.t_mono_ns - candidate.run_ns
                 pieces = [_Candidate(start + (candidate.run_ns * j) // k) for j in range(1, k)]
                 pieces.append(candidate)

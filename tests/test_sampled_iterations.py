@@ -157,6 +157,33 @@ def test_backward_runs_the_samples_missed_are_restored_from_forward_runs():
     check(ends, truth)
 
 
+def test_backward_runs_merged_by_a_sampling_gap_are_split_from_the_first_seconds():
+    # The loop of the py-spy-mode attach test on a busy machine: ~120 ms steps whose
+    # backward takes 60 to 110 ms. py-spy, descheduled, sees nothing between two short
+    # backward runs: they merge into one shorter than twice the usual run (which a
+    # rule of "twice the usual" kept as one), once in the first second (before ten
+    # runs are known).
+    rng = random.Random(7)
+    spans, truth, t = [], [], 10**9
+    for i in range(150):
+        backward_ms = 62 if i in (5, 6, 70, 71, 120, 121) else rng.uniform(60, 110)
+        for phase, ms in (("data_loading", 3), ("forward", 30), ("backward", backward_ms)):
+            spans.append((t, t + int(ms * MS), phase))
+            t += int(ms * MS)
+        truth.append(t)
+        spans.append((t, t + int(1.5 * MS), "optimizer"))
+        t += int(1.5 * MS)
+    backward = [(a, b) for a, b, phase in spans if phase == "backward"]
+    gaps = [(backward[i][1] - 2 * MS, backward[i + 1][0] + 2 * MS) for i in (5, 70, 120)]
+    samples = sample(spans, hidden=gaps, flicker=0)
+    usual = statistics.median(b - a for a, b in backward)
+    merged = [s for s in samples if s.frames == FRAMES["backward"]
+              and 1.5 * usual < s.duration_ns < 2 * usual]
+    assert len(merged) >= 3
+    _, ends = run_clock(samples)
+    check(ends, truth)
+
+
 def test_a_pause_in_the_loop_adds_no_iterations():
     spans, truth, _ = timeline(100, pause_at=50, pause_ms=4000)
     _, ends = run_clock(sample(spans))

@@ -229,9 +229,10 @@ def test_a_torchrun_job_and_a_second_one_are_found_attached_measured_and_finaliz
                  "both jobs' step times in /metrics")
         # The real Prometheus scrapes the service and answers for the running job.
         prometheus.wait_ready()
-        wait_until(lambda: bool(prometheus.values(
-            f'perfmon_step_time_seconds_count{{job="{name_a}"}}')), 30,
-            "Prometheus to scrape the job's step time")
+        # (A first scrape may come before any step was observed: its buckets are 0.)
+        wait_until(lambda: sum(prometheus.values(
+            f'perfmon_step_time_seconds_count{{job="{name_a}"}}')) > 10, 30,
+            "Prometheus to scrape the job's step times")
         [p90] = prometheus.values(
             f'histogram_quantile(0.9, perfmon_step_time_seconds_bucket{{job="{name_a}"}})')
         assert 0.001 < p90 < 10
