@@ -10,7 +10,22 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn
+
+
+@dataclass(frozen=True)
+class Command:
+    """One sub-command: each command's module declares its own (``COMMAND``), the CLI's
+    parser tree is made of them (perfmon.agent.cli)."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    main: Callable[[argparse.Namespace], int]
+    description: str | None = None
+    epilog: str | None = None
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -25,3 +25,9 @@ class EventLogError(PerfmonError):
     """An event log cannot be decoded."""
 
     exit_code = 2
+
+
+class InputFileError(PerfmonError):
+    """A file the user named cannot be used (missing, not a regular file, too large)."""
+
+    exit_code = 2

@@ -401,8 +401,10 @@ class EventLogReader:
         fast = _FAST_CHECK
         count = 0
         last_t = self.last_t_mono_ns
+        whole = tell()  # where the last record decoded whole ends
         try:
             for obj in unpacker:
+                whole = tell()
                 if self.first is None:
                     self._check_first(obj)
                     self.first = obj
@@ -428,8 +430,9 @@ class EventLogReader:
         except (msgpack.UnpackException, ValueError) as err:
             if self.first is None:
                 raise EventLogError(f"{self.source}: not a perfmon event log ({err})") from err
-            # (the offset stays after the last record decoded whole)
-            self.corrupt = f"undecodable data after byte {tell()}: {err}"
+            # (a string that is no UTF-8 fails after the decoder has read past it: the
+            # offset named is where the last record decoded whole ended)
+            self.corrupt = f"undecodable data after byte {whole}: {err}"
             return True
         finally:
             # Kept in locals while reading (this loop runs once a record).

@@ -59,24 +59,33 @@ CAP_SYS_ADMIN; bcc's Python module and kernel headers, as
 return-address read at function entry). CUDA 11.x/12.x (``cuLaunchKernelEx``
 and ``cudaLaunchKernelExC`` from 11.8 are probed where present); NCCL 2.x
 (fp8 datatypes 10 and 11 from NCCL 2.24).
+
+Holds the probe (:class:`CudaActivityProbe`) and its log source
+(:class:`CudaSource`); the libraries and symbols probed are in
+:mod:`perfmon.probes.cuda_libraries`, the counter record in
+:mod:`perfmon.probes.cuda_counters`, the launch sampling in
+:mod:`perfmon.probes.cuda_sampling`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from perfmon.parsers import procfs
-from perfmon.parsers.elf_symbols import find_function_symbols
 from perfmon.parsers.events import CudaSnapshot, Record
+from perfmon.probes.cuda_counters import COUNTERS, CudaCounters, counters_from_kernel
+from perfmon.probes.cuda_libraries import (
+    ENTRY_AND_RETURN,
+    LIBRARIES,
+    NCCL_DTYPE_BYTES,
+    TargetLibraries,
+    exact_symbols,
+    find_libraries,
+)
+from perfmon.probes.cuda_sampling import LaunchSampling
 from perfmon.probes.errors import (
-    NoSuchProcess,
     PrerequisiteMissing,
-    PrivilegeError,
     SymbolNotFound,
 )
 from perfmon.probes.files import MappedLibrary, PathRefused
@@ -90,246 +99,16 @@ from perfmon.probes.uprobes import (
     open_torch_library,
 )
 
-# Collectives: the key used in CudaCounters.nccl_calls/nccl_bytes (and in the
-# names of the BPF program, on_nccl_<key>, and counters) -> its NCCL entry point.
-NCCL_COLLECTIVES = {
-    "all_reduce": "ncclAllReduce",
-    "reduce_scatter": "ncclReduceScatter",
-    "all_gather": "ncclAllGather",
-    "broadcast": "ncclBroadcast",  # ncclBcast (in place) calls it: counted here once
-    "reduce": "ncclReduce",
-    "send": "ncclSend",
-    "recv": "ncclRecv",
-    "all_to_all": "ncclAlltoAll",  # NCCL 2.28+
-    "gather": "ncclGather",  # NCCL 2.28+
-    "scatter": "ncclScatter",  # NCCL 2.28+
-}
-# NCCL 2.32 adds a twin of every collective taking a trailing ncclCollConfig_t*
-# (count and datatype where they are in the plain one); it is separate code,
-# not a wrapper of the plain call, so both are probed and counted under one key.
-NCCL_CONFIG_SUFFIX = "Config"
-
-# ncclDataType_t (nccl.h) -> bytes per element. 10 and 11 are ncclFloat8e4m3
-# and ncclFloat8e5m2 (NCCL 2.24+); older NCCL rejects them, so listing them is safe.
-NCCL_DTYPE_BYTES = {
-    0: 1,  # ncclInt8 / ncclChar
-    1: 1,  # ncclUint8
-    2: 4,  # ncclInt32 / ncclInt
-    3: 4,  # ncclUint32
-    4: 8,  # ncclInt64
-    5: 8,  # ncclUint64
-    6: 2,  # ncclFloat16 / ncclHalf
-    7: 4,  # ncclFloat32 / ncclFloat
-    8: 8,  # ncclFloat64 / ncclDouble
-    9: 2,  # ncclBfloat16
-    10: 1,  # ncclFloat8e4m3
-    11: 1,  # ncclFloat8e5m2
-}
-
-# Entry points per library: symbol -> BPF program. The _ptsz/_ptds names are
-# what code built with --default-stream per-thread calls instead of the legacy
-# name; both are probed, and a call between them inside the library is told
-# apart by the caller check (launches) or the stack pointer (blocking calls).
-RUNTIME_LAUNCH_SYMBOLS = (
-    "cudaLaunchKernel", "cudaLaunchKernel_ptsz",
-    "cudaLaunchKernelExC", "cudaLaunchKernelExC_ptsz",
-    "cudaLaunchCooperativeKernel", "cudaLaunchCooperativeKernel_ptsz",
-)
-DRIVER_LAUNCH_SYMBOLS = (
-    "cuLaunchKernel", "cuLaunchKernel_ptsz",
-    "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
-    "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel_ptsz",
-)
-RUNTIME_GRAPH_SYMBOLS = ("cudaGraphLaunch", "cudaGraphLaunch_ptsz")
-DRIVER_GRAPH_SYMBOLS = ("cuGraphLaunch", "cuGraphLaunch_ptsz")
-SYNC_SYMBOLS = (
-    "cudaStreamSynchronize", "cudaStreamSynchronize_ptsz",
-    "cudaDeviceSynchronize",
-    "cudaEventSynchronize",
-    "cudaMemcpy", "cudaMemcpy_ptds",
-)
-
-_ENTRY, _ENTRY_AND_RETURN = "entry", "entry+return"
 # Kernel launches: "always" probed (a trap per launch: ~11 us here), "sampled"
 # (probed for one iteration in every N), or "off".
 LAUNCH_MODES = ("sampled", "always", "off")
 _LAUNCH_PROGRAMS = ("on_runtime_launch", "on_driver_launch")
 
-
-@dataclass(frozen=True)
-class _Library:
-    name: str  # as reported: "libcudart", "libcuda", "libnccl"
-    basename_prefix: str  # in /proc/PID/maps; "libcuda.so" does not match libcudart
-    probes: tuple[tuple[str, str, str], ...]  # (symbol, BPF program, _ENTRY or _ENTRY_AND_RETURN)
-    forwards_launches: bool  # its code calls launch entry points on the caller's behalf
-    measures: str  # what is lost when it is not loaded (for warnings)
-
-
-LIBRARIES = (
-    _Library(
-        "libcudart", "libcudart.so",
-        (
-            *((s, "on_runtime_launch", _ENTRY) for s in RUNTIME_LAUNCH_SYMBOLS),
-            *((s, "on_graph_launch", _ENTRY) for s in RUNTIME_GRAPH_SYMBOLS),
-            *((s, "on_sync_enter", _ENTRY_AND_RETURN) for s in SYNC_SYMBOLS),
-        ),
-        forwards_launches=True,
-        measures="runtime launches and time blocked in synchronising calls",
-    ),
-    _Library(
-        "libcuda", "libcuda.so",
-        (
-            *((s, "on_driver_launch", _ENTRY) for s in DRIVER_LAUNCH_SYMBOLS),
-            *((s, "on_graph_launch", _ENTRY) for s in DRIVER_GRAPH_SYMBOLS),
-        ),
-        forwards_launches=True,
-        measures="driver-API launches (cuBLAS, Triton, NCCL kernels)",
-    ),
-    _Library(
-        "libnccl", "libnccl.so",
-        tuple(
-            (sym + suffix, f"on_nccl_{key}", _ENTRY)
-            for key, sym in NCCL_COLLECTIVES.items()
-            # ncclSend/ncclRecv have no Config twin
-            for suffix in (("",) if key in ("send", "recv") else ("", NCCL_CONFIG_SUFFIX))
-        ),
-        forwards_launches=False,  # NCCL's own kernels are real launches: counted
-        measures="NCCL collectives",
-    ),
-)
-
-# Counter ids, shared with cuda.bpf.c through -D cflags (CTR_<NAME>=index).
-_COUNTERS = (
-    "runtime_launches",
-    "driver_launches",
-    "forwarded_launches",
-    "graph_launches",
-    "forwarded_graph_launches",
-    "sync_calls",
-    "sync_wait_ns",
-    "sync_untracked",
-    "nccl_unknown_dtype_calls",
-    *(f"nccl_calls_{key}" for key in NCCL_COLLECTIVES),
-    *(f"nccl_bytes_{key}" for key in NCCL_COLLECTIVES),
-)
+# Sizes of the BPF program's tables, passed to it as -D cflags.
 _MAX_TEXT_RANGES = 4
 _NCCL_DTYPES = 16
 _MAX_SYNC_THREADS = 16384
 _STEP_EVENT_PAGES = 64  # 256 KiB: ~1,000 step snapshots between two polls
-# Sampled launch counting: one probed iteration in every N, N adapted (within these
-# bounds) so that probing costs at most LAUNCH_BUDGET of the step time overall.
-LAUNCH_BUDGET = 0.005
-FIRST_SAMPLE_EVERY = 50
-MIN_SAMPLE_EVERY = 10
-MAX_SAMPLE_EVERY = 100_000
-
-
-@dataclass(frozen=True)
-class CudaCounters:
-    """Cumulative counts for one process since the probes were attached.
-
-    ``t_mono_ns`` is CLOCK_MONOTONIC: for a periodic snapshot, taken just
-    before the kernel map is read; for an ``at_step`` one, the kernel's time at
-    the entry of ``Optimizer.step``, when the kernel copied the counters.
-    """
-
-    t_mono_ns: int
-    pid: int
-    kernel_launches: int  # runtime_launches + driver_launches; excludes graph launches
-    sync_wait_ns: int  # wall time inside blocking calls that have returned
-    nccl_calls: dict[str, int]  # keys: NCCL_COLLECTIVES, always all present
-    nccl_bytes: dict[str, int]  # count argument x datatype size, summed (see module doc)
-    runtime_launches: int = 0  # made through libcudart
-    driver_launches: int = 0  # made through libcuda by anything but libcudart/libcuda
-    forwarded_launches: int = 0  # driver (or _ptsz) entries made by the CUDA libraries
-    graph_launches: int = 0  # cudaGraphLaunch / cuGraphLaunch, not forwarded
-    sync_calls: int = 0  # blocking calls that have returned (outermost only)
-    sync_untracked: int = 0  # blocking calls not timed (return unseen, or table full)
-    nccl_unknown_dtype_calls: int = 0  # calls with a datatype not in NCCL_DTYPE_BYTES
-    at_step: bool = False  # taken in the kernel at an Optimizer.step entry, not by poll()
-
-
-@dataclass
-class _TargetLibraries:
-    """What one target has loaded: library name -> paths as the target sees them."""
-
-    target: TargetProcess
-    paths: dict[str, list[procfs.MappedFile]] = field(default_factory=dict)  # first mappings
-    # Executable address ranges of the libraries that forward launches.
-    forwarding_text: list[tuple[int, int]] = field(default_factory=list)
-
-
-def _read_maps(target: TargetProcess) -> str:
-    path = f"/proc/{target.pid}/maps"
-    try:
-        with open(path) as f:
-            return f.read()
-    except (FileNotFoundError, ProcessLookupError) as err:
-        raise NoSuchProcess(f"pid {target.pid} ({target.name}): process exited") from err
-    except PermissionError as err:
-        raise PrivilegeError(
-            f"pid {target.pid} ({target.name}): permission denied reading {path} "
-            "(needs root with CAP_SYS_PTRACE)"
-        ) from err
-
-
-def _find_libraries(target: TargetProcess) -> _TargetLibraries:
-    mappings = procfs.parse_maps(_read_maps(target))
-    found = _TargetLibraries(target)
-    for mapping in mappings:
-        basename = mapping.path.rsplit("/", 1)[-1]
-        for lib in LIBRARIES:
-            if not basename.startswith(lib.basename_prefix):
-                continue
-            paths = found.paths.setdefault(lib.name, [])
-            if any(m.path == mapping.path for m in paths):
-                continue
-            paths.append(mapping)
-            span = procfs.address_span(mappings, mapping.path)
-            if lib.forwards_launches and span is not None:
-                # The whole span of the library: its non-code parts hold no return addresses.
-                found.forwarding_text.append(span)
-    return found
-
-
-def _exact_symbols(library: MappedLibrary, names: Iterable[str]) -> dict[str, int]:
-    """Exported function name -> address, for the names present; one name per address.
-
-    Raises OSError, ValueError or ElfError when the file cannot be read as ELF64.
-    """
-    names = list(names)
-    with mmap.mmap(library.fd, 0, prot=mmap.PROT_READ) as buf:
-        found = find_function_symbols(buf, names)
-    addresses = {n: s.address for n in names for s in found[n] if s.name == n}
-    by_name: dict[str, int] = {}
-    seen: set[int] = set()
-    for name in names:  # table order: the legacy name before its _ptsz twin
-        address = addresses.get(name)
-        if address is not None and address not in seen:
-            by_name[name] = address
-            seen.add(address)
-    return by_name
-
-
-def _counters(t_mono_ns: int, pid: int, raw: Iterable[int], at_step: bool) -> CudaCounters:
-    """CudaCounters from the kernel's counter array (numbered as _COUNTERS)."""
-    c = dict(zip(_COUNTERS, (int(v) for v in raw), strict=True))
-    return CudaCounters(
-        t_mono_ns=t_mono_ns,
-        pid=pid,
-        kernel_launches=c["runtime_launches"] + c["driver_launches"],
-        sync_wait_ns=c["sync_wait_ns"],
-        nccl_calls={k: c[f"nccl_calls_{k}"] for k in NCCL_COLLECTIVES},
-        nccl_bytes={k: c[f"nccl_bytes_{k}"] for k in NCCL_COLLECTIVES},
-        runtime_launches=c["runtime_launches"],
-        driver_launches=c["driver_launches"],
-        forwarded_launches=c["forwarded_launches"],
-        graph_launches=c["graph_launches"],
-        sync_calls=c["sync_calls"],
-        sync_untracked=c["sync_untracked"],
-        nccl_unknown_dtype_calls=c["nccl_unknown_dtype_calls"],
-        at_step=at_step,
-    )
 
 
 class CudaActivityProbe(Sampler[CudaCounters]):
@@ -370,7 +149,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         self._launch_fds: list[bytes] = []  # bcc event names of the attached launch probes
 
     def _start(self) -> None:
-        loaded = [_find_libraries(t) for t in self.targets]
+        loaded = [find_libraries(t) for t in self.targets]
         for found in loaded:
             t = found.target
             for lib in LIBRARIES:
@@ -456,7 +235,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             if sym not in names:
                 names.append(sym)
 
-    def _plan(self, found: _TargetLibraries) -> list[tuple[str, MappedLibrary, str, str, str]]:
+    def _plan(self, found: TargetLibraries) -> list[tuple[str, MappedLibrary, str, str, str]]:
         """(path as the target sees it, the library held open, symbol, BPF program, kind)
         to attach for one target."""
         t = found.target
@@ -473,7 +252,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                     continue
                 self._libraries.append(library)
                 try:
-                    symbols = _exact_symbols(library, wanted)
+                    symbols = exact_symbols(library, wanted)
                 except Exception as err:  # OSError, ElfError, or bcc's bare Exception
                     self.warnings.append(
                         f"pid {t.pid} ({t.name}): cannot read symbols of {path}: {err}")
@@ -488,8 +267,8 @@ class CudaActivityProbe(Sampler[CudaCounters]):
 
     def _compile(self) -> None:
         self._bpf = compile_step_program("cuda.bpf.c", [
-            f"-DN_COUNTERS={len(_COUNTERS)}",
-            *(f"-DCTR_{name.upper()}={i}" for i, name in enumerate(_COUNTERS)),
+            f"-DN_COUNTERS={len(COUNTERS)}",
+            *(f"-DCTR_{name.upper()}={i}" for i, name in enumerate(COUNTERS)),
             f"-DMAX_TEXT_RANGES={_MAX_TEXT_RANGES}",
             f"-DMAX_TARGETS={max(1, len(self.targets))}",
             f"-DMAX_SYNC_THREADS={_MAX_SYNC_THREADS}",
@@ -497,7 +276,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             f"-DSTEP_EVENT_PAGES={_STEP_EVENT_PAGES}",
         ])
 
-    def _fill_tables(self, probed: list[_TargetLibraries]) -> None:
+    def _fill_tables(self, probed: list[TargetLibraries]) -> None:
         sizes = self._bpf[b"nccl_dtype_bytes"]
         for dtype, size in NCCL_DTYPE_BYTES.items():
             sizes[ctypes.c_int(dtype)] = ctypes.c_uint(size)
@@ -529,7 +308,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                 # The return probe first: a call entered between the two attaches
                 # then has no entry recorded (ignored) rather than an entry whose
                 # return is never seen (which the program must heal).
-                if kind == _ENTRY_AND_RETURN:
+                if kind == ENTRY_AND_RETURN:
                     self._bpf.attach_uretprobe(
                         name=host, sym=sym.encode(), fn_name=b"on_sync_exit", pid=target.pid)
                 self._bpf.attach_uprobe(
@@ -581,7 +360,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                 state = table[ctypes.c_uint(pid)]
             except KeyError:  # only if the entry was removed: never by this module
                 continue
-            snapshots.append(_counters(t, pid, state.counter, at_step=False))
+            snapshots.append(counters_from_kernel(t, pid, state.counter, at_step=False))
         # After the map read: every step entered before it is delivered now, so
         # records come in time order across polls too (to within the few
         # microseconds between a step program's start and its submit).
@@ -593,7 +372,8 @@ class CudaActivityProbe(Sampler[CudaCounters]):
 
     def _on_step(self, _ctx: Any, data: Any, _size: int) -> None:
         ev = self._bpf[b"step_events"].event(data)
-        self._pending_steps.append(_counters(ev.t_mono_ns, ev.tgid, ev.counter, at_step=True))
+        self._pending_steps.append(
+            counters_from_kernel(ev.t_mono_ns, ev.tgid, ev.counter, at_step=True))
 
     def _close(self) -> None:
         if self._bpf is not None:
@@ -613,9 +393,10 @@ class CudaSource(Source):
     ``launches="sampled"`` (the default) the launch probes are attached for one
     iteration in every N and detached between (at the next poll: a sample covers
     the iterations of up to one poll interval), N adapted so that the sampled
-    iterations' extra time, spread over all, stays under LAUNCH_BUDGET of the
-    step time. A snapshot says whether the launch probes were attached since the
-    previous one (``launches_probed``): those iterations' launch counts are exact.
+    iterations' extra time, spread over all, stays under LAUNCH_BUDGET
+    (:mod:`perfmon.probes.cuda_sampling`) of the step time. A snapshot says
+    whether the launch probes were attached since the previous one
+    (``launches_probed``): those iterations' launch counts are exact.
     """
 
     name = "cuda"
@@ -625,17 +406,9 @@ class CudaSource(Source):
         self.probe = CudaActivityProbe(targets, launches)
         self.launches = launches
         self.snapshots = 0
-        self.samples = 0  # times the launch probes were attached
-        self.sample_every = FIRST_SAMPLE_EVERY
         self._last: dict[int, CudaCounters] = {}
-        self._primary = targets[0].pid
-        self._previous_ns: dict[int, int] = {}  # each rank's previous step snapshot
-        self._steps = 0  # of the primary rank
-        self._steps_at_detach = 0
-        self._attached_at: int | None = None  # launch probes attached since (sampled)
-        self._steps_probed = 0  # primary steps entered since then
-        self._unsampled: list[int] = []  # recent primary step times without launch probes
-        self._sampled_steps: list[int] = []  # the primary's step times of this sample
+        self._sampling = LaunchSampling(
+            targets[0].pid, self.probe.attach_launches, self.probe.detach_launches)
 
     def _start(self) -> None:
         self.probe.start()
@@ -645,6 +418,16 @@ class CudaSource(Source):
     @property
     def attached(self) -> dict[str, list[str]]:
         return self.probe.attached
+
+    @property
+    def samples(self) -> int:
+        """Times the launch probes were attached (mode "sampled")."""
+        return self._sampling.samples
+
+    @property
+    def sample_every(self) -> int:
+        """Steps of the primary rank between two launch samples, as adapted so far."""
+        return self._sampling.sample_every
 
     def _poll(self) -> list[Record]:
         records: list[Record] = []
@@ -658,51 +441,14 @@ class CudaSource(Source):
                     c.nccl_unknown_dtype_calls, self._probed(c)))
         self.snapshots += len(records)
         if self.launches == "sampled":
-            self._schedule()
+            self._sampling.schedule()
         return records
 
     def _probed(self, c: CudaCounters) -> bool:
-        """Whether the launch probes were attached since this rank's previous snapshot
-        (they are detached only after a poll, so they were up to this one)."""
-        previous, self._previous_ns[c.pid] = self._previous_ns.get(c.pid), c.t_mono_ns
+        """Whether the launch probes were attached since this rank's previous snapshot."""
         if self.launches != "sampled":
             return self.launches == "always"
-        attached = self._attached_at
-        probed = attached is not None and previous is not None and previous >= attached
-        if c.pid == self._primary:
-            self._steps += 1
-            if attached is not None and c.t_mono_ns > attached:
-                self._steps_probed += 1
-            if previous is not None:
-                if probed:
-                    self._sampled_steps.append(c.t_mono_ns - previous)
-                elif attached is None:
-                    self._unsampled = [*self._unsampled[-100:], c.t_mono_ns - previous]
-        return probed
-
-    def _schedule(self) -> None:
-        """Attach the launch probes every ``sample_every`` steps, for one whole step."""
-        if self._attached_at is None:
-            if self._steps - self._steps_at_detach >= self.sample_every:
-                self.probe.attach_launches()
-                self._attached_at, self._steps_probed = monotonic_ns(), 0
-        elif self._steps_probed >= 2:  # a whole iteration inside (and all until this poll)
-            self.probe.detach_launches()
-            self._attached_at = None
-            self._steps_at_detach = self._steps
-            self.samples += 1
-            self._adapt()
-            self._sampled_steps = []
-
-    def _adapt(self) -> None:
-        """N such that this sample's extra time (its probed steps' excess over the usual
-        step), spread over N steps, is LAUNCH_BUDGET of them."""
-        if not self._sampled_steps or len(self._unsampled) < 5:
-            return
-        median = sorted(self._unsampled)[len(self._unsampled) // 2]
-        extra = sum(max(0, step - median) for step in self._sampled_steps)
-        wanted = extra / (LAUNCH_BUDGET * median) if median > 0 else MAX_SAMPLE_EVERY
-        self.sample_every = int(min(MAX_SAMPLE_EVERY, max(MIN_SAMPLE_EVERY, wanted)))
+        return self._sampling.on_step(c.pid, c.t_mono_ns)
 
     def quality(self) -> dict[str, Any]:
         q: dict[str, Any] = {

@@ -6,6 +6,10 @@ psutil's ``NoSuchProcess``/``AccessDenied``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psutil
 from perfmon.parsers.errors import PerfmonError
 
 
@@ -43,3 +47,21 @@ class SymbolNotFound(ProbeError):
     """A library the target loaded lacks a symbol we need to probe."""
 
     exit_code = 6
+
+
+@contextmanager
+def process_errors(pid: int, name: str | None = None, reading: str | None = None
+                   ) -> Iterator[None]:
+    """The one place where the OS's and psutil's errors about process ``pid`` become
+    NoSuchProcess and PrivilegeError, in one wording (as psutil's own
+    ``wrap_exceptions`` does for its calls): ``reading`` names the file being read."""
+    who = f"pid {pid} ({name})" if name else f"pid {pid}"
+    try:
+        yield
+    except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess) as err:
+        raise NoSuchProcess(f"{who}: no such process (or it exited)") from err
+    except (PermissionError, psutil.AccessDenied) as err:
+        what = f"permission denied reading {reading}" if reading else "access denied"
+        raise PrivilegeError(
+            f"{who}: {what} (needs root with CAP_SYS_PTRACE; a process in another user "
+            "namespace or marked undumpable stays unreadable)") from err

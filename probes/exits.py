@@ -16,11 +16,11 @@ Measures, once per target when it exits, a ``RankExit`` record:
   is killed (the subscription ends with the socket);
 - whether the kernel's OOM killer chose it: the ``oom:mark_victim`` tracepoint
   (Linux 4.8+; pid of the victim), enabled in a private tracefs instance of its
-  own (perfmon.probes.tracefs), read from that instance's ``trace_pipe``;
+  own (perfmon.probes.ftrace), read from that instance's ``trace_pipe``;
 - the known cause in the last lines it printed (perfmon.parsers.exit_causes),
   when its stdout/stderr is a regular file its user may read: opened at start,
   as the job's user, through ``/proc/PID/fd/1`` and ``/2``
-  (perfmon.probes.files.open_job_outputs) and held, so the last 64 KiB can be
+  (perfmon.probes.job_files.open_job_outputs) and held, so the last 64 KiB can be
   read after the process is gone.
 
 When the connector cannot be used (no privilege, a kernel without it, an agent
@@ -48,10 +48,8 @@ from __future__ import annotations
 import atexit
 import errno
 import os
-import re
 import select
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -62,7 +60,15 @@ import psutil
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.events import RankExit, Record
 from perfmon.parsers.exit_causes import CAUSES, classify_log_tail, describe_status
-from perfmon.probes.files import (
+from perfmon.parsers.proc_connector import (
+    CN_IDX_PROC,
+    parse_connector_exits,
+    subscribe_messages,
+    unsubscribe_message,
+)
+from perfmon.parsers.trace_pipe import oom_victim, parse_event_line
+from perfmon.probes.ftrace import GROUP_PREFIX, TraceInstance, remove_stale_probes, tracefs_root
+from perfmon.probes.job_files import (
     OUTPUT_TAIL_BYTES,
     FileTail,
     JobFileError,
@@ -71,30 +77,8 @@ from perfmon.probes.files import (
 )
 from perfmon.probes.procfs import TargetProcess
 from perfmon.probes.sampler import Source, monotonic_ns
-from perfmon.probes.tracefs import (
-    GROUP_PREFIX,
-    enable_event,
-    make_instance,
-    parse_event_line,
-    read_trace_pipe,
-    remove_instance,
-    remove_stale_probes,
-    ring_buffer_losses,
-    tracefs_root,
-)
 
-# linux/netlink.h, linux/connector.h, linux/cn_proc.h
-NETLINK_CONNECTOR = 11
-CN_IDX_PROC = 1
-CN_VAL_PROC = 1
-PROC_CN_MCAST_LISTEN = 1
-PROC_CN_MCAST_IGNORE = 2
-PROC_EVENT_EXIT = 0x80000000
-_NLMSG_DONE = 3
-_NLMSG_HEADER = struct.Struct("=IHHII")  # len, type, flags, seq, pid
-_CN_MSG = struct.Struct("=IIIIHH")  # idx, val, seq, ack, len, flags
-_EVENT_HEADER = struct.Struct("=IIQ")  # what, cpu, timestamp_ns (aligned(8))
-_EXIT_EVENT = struct.Struct("=iiII")  # process_pid, process_tgid, exit_code, exit_signal
+NETLINK_CONNECTOR = 11  # linux/netlink.h: the connector's netlink protocol
 _SOCKET_BUFFER_BYTES = 4 << 20
 _SO_RCVBUFFORCE = 33  # asm-generic/socket.h; Python's socket module does not name it
 # The subscription is checked by watching a child of the agent exit: without the
@@ -107,7 +91,6 @@ _LATE_EVENT_WAIT_S = 0.05
 # A timestamp further than this from the agent's clock is not CLOCK_MONOTONIC.
 _CLOCK_TOLERANCE_NS = 10_000_000_000
 _OOM_BUFFER_KB_PER_CPU = 64
-_VICTIM_PID = re.compile(rb"\bpid=(\d+)")
 # /proc/PID/stat: field 52 (Linux 3.5+) is the exit status of a zombie, in wait(2)'s
 # format. Counted after the ")" that ends the comm (which may hold spaces).
 _STAT_EXIT_CODE = 52 - 3
@@ -120,45 +103,6 @@ def _agent() -> str:
 
 def _who(target: TargetProcess) -> str:
     return f"pid {target.pid} ({target.name})"
-
-
-@dataclass(frozen=True)
-class ConnectorExit:
-    """A task's exit as the process-events connector reports it."""
-
-    pid: int  # the task (thread) id
-    tgid: int
-    t_mono_ns: int
-    wait_status: int
-
-
-def parse_connector_exits(datagram: bytes) -> list[ConnectorExit]:
-    """The PROC_EVENT_EXIT events in one datagram of the process-events connector."""
-    exits = []
-    offset = 0
-    while offset + _NLMSG_HEADER.size <= len(datagram):
-        length = _NLMSG_HEADER.unpack_from(datagram, offset)[0]
-        if length < _NLMSG_HEADER.size or offset + length > len(datagram):
-            break
-        body = offset + _NLMSG_HEADER.size
-        if length >= _NLMSG_HEADER.size + _CN_MSG.size:
-            idx, val, _, _, data_len, _ = _CN_MSG.unpack_from(datagram, body)
-            event = body + _CN_MSG.size
-            size = _EVENT_HEADER.size + _EXIT_EVENT.size
-            if (idx, val) == (CN_IDX_PROC, CN_VAL_PROC) and data_len >= size and \
-                    event + size <= offset + length:
-                what, _, t_ns = _EVENT_HEADER.unpack_from(datagram, event)
-                if what == PROC_EVENT_EXIT:
-                    pid, tgid, code, _ = _EXIT_EVENT.unpack_from(
-                        datagram, event + _EVENT_HEADER.size)
-                    exits.append(ConnectorExit(pid, tgid, t_ns, code))
-        offset += (length + 3) & ~3  # NLMSG_ALIGN
-    return exits
-
-
-def _connector_message(data: bytes) -> bytes:
-    cn = _CN_MSG.pack(CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(data), 0) + data
-    return _NLMSG_HEADER.pack(_NLMSG_HEADER.size + len(cn), _NLMSG_DONE, 0, 0, os.getpid()) + cn
 
 
 def _zombie_status(pid: int) -> int | None:
@@ -220,7 +164,7 @@ class ExitSource(Source):
         self.dropped = 0
         self.tails_read = 0
         self.tails_unread = 0
-        self.instance_name: str | None = None
+        self._oom: TraceInstance | None = None  # where oom:mark_victim is enabled
         self._pending = {t.pid: t for t in targets}
         self._seen: dict[int, tuple[int, int]] = {}  # pid -> (t_mono_ns, wait status)
         self._oom_victims: set[int] = set()
@@ -229,15 +173,8 @@ class ExitSource(Source):
         self._connector_drops = 0
         self._self_test_pid: int | None = None
         self._kernel_clock = True  # the connector's stamps are CLOCK_MONOTONIC
-        self._root = ""
-        self._pipe = -1
-        self._partial = b""
         self._ring_losses = 0
         self._owner_pid = os.getpid()
-
-    @property
-    def _instance(self) -> str:
-        return os.path.join(self._root, "instances", self.instance_name or "")
 
     def _start(self) -> None:
         self._owner_pid = os.getpid()
@@ -309,11 +246,8 @@ class ExitSource(Source):
             except OSError:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER_BYTES)
             sock.bind((0, CN_IDX_PROC))
-            sock.send(_connector_message(struct.pack("=I", PROC_CN_MCAST_LISTEN)))
-            # Linux 6.6+ also takes an event filter (struct proc_input): exits only. Older
-            # kernels ignore a message of this length; poll() filters there.
-            sock.send(_connector_message(struct.pack("=II", PROC_CN_MCAST_LISTEN,
-                                                     PROC_EVENT_EXIT)))
+            for message in subscribe_messages(os.getpid()):  # poll() filters on older kernels
+                sock.send(message)
             why = self._self_test()
         except OSError as err:
             why = (f"{err.strerror} (the connector exists only in the initial network "
@@ -353,18 +287,16 @@ class ExitSource(Source):
     def _watch_oom_kills(self) -> None:
         """Enable oom:mark_victim in an instance of our own; a warning when it cannot be."""
         try:
-            self._root = tracefs_root()
-            self.warnings.extend(remove_stale_probes(self._root))
-            path = make_instance(self._root, f"{GROUP_PREFIX}{self._owner_pid}",
-                                 _OOM_BUFFER_KB_PER_CPU)
-            self.instance_name = os.path.basename(path)
+            root = tracefs_root()
+            self.warnings.extend(remove_stale_probes(root))
+            self._oom = oom = TraceInstance(root, f"{GROUP_PREFIX}{self._owner_pid}",
+                                            _OOM_BUFFER_KB_PER_CPU)
             try:
-                enable_event(path, "oom", "mark_victim")
+                oom.enable("oom", "mark_victim")
             except FileNotFoundError:
                 raise OSError(errno.ENOENT, "the kernel has no oom:mark_victim tracepoint "
                                             "(Linux < 4.8)") from None
-            self._pipe = os.open(os.path.join(path, "trace_pipe"),
-                                 os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            oom.open_pipe()
         except (PerfmonError, OSError) as err:
             self._close_instance()
             reason = err.strerror if isinstance(err, OSError) else str(err)
@@ -450,15 +382,14 @@ class ExitSource(Source):
                     self._seen.setdefault(event.pid, (t_ns, event.wait_status))
 
     def _drain_oom(self) -> None:
-        if self._pipe < 0:
+        oom = self._oom
+        if oom is None or not oom.reading:
             return
         try:
-            lines, self._partial = read_trace_pipe(self._pipe, self._partial)
-        except OSError as err:
-            self.warnings.append(f"{_agent()}: reading {self._instance}/trace_pipe failed: "
+            lines = oom.read_lines()
+        except OSError as err:  # the pipe is closed: nothing more will come
+            self.warnings.append(f"{_agent()}: reading {oom.path}/trace_pipe failed: "
                                  f"{err.strerror}; OOM kills are no longer watched")
-            os.close(self._pipe)
-            self._pipe = -1
             return
         lost = False
         for line in lines:
@@ -466,10 +397,9 @@ class ExitSource(Source):
             if parsed is None:
                 lost = lost or b"[LOST " in line
                 continue
-            m = _VICTIM_PID.search(parsed.args) if parsed.event == "mark_victim" else None
-            if m is None:
+            victim = oom_victim(parsed)
+            if victim is None:
                 continue
-            victim = int(m.group(1))
             # The victim is a task: its process's leader, in practice, or a thread of it.
             tgid = victim if victim in self._pending else _tgid(victim)
             if tgid is not None:
@@ -477,7 +407,7 @@ class ExitSource(Source):
         if lost:
             # OOM kills are rare: the per-CPU statistics are read only when the pipe says
             # events were lost, and at close.
-            self._ring_losses = max(self._ring_losses, ring_buffer_losses(self._instance) or 0)
+            self._ring_losses = max(self._ring_losses, oom.losses() or 0)
             self.dropped = self._connector_drops + self._ring_losses
 
     def _log_causes(self, targets: list[TargetProcess]) -> dict[int, dict[str, Any]]:
@@ -515,21 +445,18 @@ class ExitSource(Source):
         if self._connector is None:
             return
         try:
-            self._connector.send(_connector_message(struct.pack("=I", PROC_CN_MCAST_IGNORE)))
+            self._connector.send(unsubscribe_message(os.getpid()))
         except OSError:
             pass  # closing the socket ends the subscription anyway
         self._connector.close()
         self._connector = None
 
     def _close_instance(self) -> None:
-        if self._pipe >= 0:
-            os.close(self._pipe)
-            self._pipe = -1
-        if self.instance_name is not None:
-            warning = remove_instance(self._instance)  # disables mark_victim with it
+        if self._oom is not None:
+            warning = self._oom.close()  # disables mark_victim with it
             if warning:
                 self.warnings.append(warning)
-            self.instance_name = None
+            self._oom = None
 
     def _close(self) -> None:
         """Unsubscribe, remove the instance, close the held outputs; never raises."""
@@ -537,8 +464,8 @@ class ExitSource(Source):
         if os.getpid() != self._owner_pid:
             return  # a forked child: the instance and the fds' owner is its parent
         self._close_connector()
-        if self.instance_name is not None:
-            losses = ring_buffer_losses(self._instance)
+        if self._oom is not None:
+            losses = self._oom.losses()
             if losses is not None:
                 self._ring_losses = losses
                 self.dropped = self._connector_drops + losses

@@ -12,14 +12,10 @@ from typing import Any
 from perfmon.parsers.events import Ecc, GpuSamples, Record, Xid
 from perfmon.parsers.gpu_samples import job_gpu_indices
 from perfmon.parsers.peak_tflops import peak_tflops_for
-from perfmon.probes.nvml import (
-    NvmlSampler,
-    NvmlUnavailable,
-    XidEventWatcher,
-    driver_info,
-    read_gpu_health,
-)
+from perfmon.probes.gpu_health import read_gpu_health
+from perfmon.probes.nvml import NvmlSampler, NvmlUnavailable, driver_info
 from perfmon.probes.sampler import Source, monotonic_ns
+from perfmon.probes.xid import XidEventWatcher
 
 ECC_INTERVAL_NS = 30_000_000_000  # ECC counters move rarely; ~60 NVML calls per read
 

@@ -1,11 +1,13 @@
 """GPU state from NVML (libnvidia-ml.so.1, through nvidia-ml-py's ``pynvml``).
 
-Measures, per GPU: utilisation, memory, power and its limit, SM and memory clocks,
-temperature, clock-event (throttle) reasons, driver-side memory per process and,
-on Hopper and later, GPM metrics (:class:`NvmlSampler`); XID critical-error events
-(:class:`XidEventWatcher`); the counters a health check reads once: temperature
-thresholds, ECC, retired pages, row remapping, PCIe link and NVLink state
-(:func:`read_gpu_health`).
+Holds the NVML access layer every GPU probe uses: initialisation, the one call
+wrapper :func:`nvml_query` and its errors, the per-field reader
+:class:`GpuReader`, driver information and GPU enumeration. And the sampler
+:class:`NvmlSampler`, which measures, per GPU: utilisation, memory, power and its
+limit, SM and memory clocks, temperature, clock-event (throttle) reasons,
+driver-side memory per process and, on Hopper and later, GPM metrics. XID events
+are in :mod:`perfmon.probes.xid`, the counters a health check reads once in
+:mod:`perfmon.probes.gpu_health`.
 
 Cost: about a dozen NVML calls per GPU per sample, each an ioctl into the driver
 (tens of microseconds to about a millisecond; power and the process list are the
@@ -24,11 +26,10 @@ Ampere or later, GPM Hopper or later.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pynvml
@@ -100,7 +101,6 @@ GPM_METRIC_IDS = {
     "any_tensor_util_pct": pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
     "dram_bw_util_pct": pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
 }
-_MAX_EVENTS_PER_POLL = 1024
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -225,8 +225,11 @@ def gpu_indices(gpus: Iterable[int] | None) -> list[int]:
     return indices
 
 
-class _GpuReader:
-    """Reads one GPU's fields: per-field failures become None plus a note."""
+class GpuReader:
+    """Reads one GPU's fields: per-field failures become None plus a note.
+
+    Shared by :class:`NvmlSampler` and :mod:`perfmon.probes.gpu_health`.
+    """
 
     def __init__(self, index: int, handle: Any, unsupported: dict[str, str]) -> None:
         self.index = index
@@ -387,7 +390,7 @@ class NvmlSampler(Sampler[GpuSample]):
             try:
                 gpu.handle = nvml_query(pynvml.nvmlDeviceGetHandleByIndex, gpu.index,
                                         field="handle", gpu=gpu.index)
-                reader = _GpuReader(gpu.index, gpu.handle, self.unsupported_fields)
+                reader = GpuReader(gpu.index, gpu.handle, self.unsupported_fields)
                 gpu.uuid, gpu.name = reader.identity()
                 self._start_gpm(gpu, reader)
             except (GpuLost, NvmlCallError) as err:
@@ -395,7 +398,7 @@ class NvmlSampler(Sampler[GpuSample]):
         self._t0_ns = monotonic_ns()
         self._next_slot = 0
 
-    def _start_gpm(self, gpu: _Gpu, reader: _GpuReader) -> None:
+    def _start_gpm(self, gpu: _Gpu, reader: GpuReader) -> None:
         support = reader.dev("gpm", pynvml.nvmlGpmQueryDeviceSupport)
         if support is None or not support.isSupportedDevice:
             self.unsupported_fields.setdefault("gpm", f"not supported (GPU {gpu.index})")
@@ -428,7 +431,7 @@ class NvmlSampler(Sampler[GpuSample]):
         if gpu.lost_error is not None:
             return GpuSample(gpu.index, t_ns, late_ns, gpu.uuid, gpu.name, lost=True,
                              error=gpu.lost_error)
-        r = _GpuReader(gpu.index, gpu.handle, self.unsupported_fields)
+        r = GpuReader(gpu.index, gpu.handle, self.unsupported_fields)
         try:
             util_gpu, util_mem = r.utilization()
             process_memory, process_count = r.processes(self._pids)
@@ -459,7 +462,7 @@ class NvmlSampler(Sampler[GpuSample]):
                              error=gpu.lost_error)
         return sample
 
-    def _read_gpm(self, gpu: _Gpu, r: _GpuReader) -> dict[str, float] | None:
+    def _read_gpm(self, gpu: _Gpu, r: GpuReader) -> dict[str, float] | None:
         if gpu.gpm_samples is None:
             return None
         previous, current = gpu.gpm_samples
@@ -493,208 +496,3 @@ class NvmlSampler(Sampler[GpuSample]):
             if gpu.gpm_samples is not None:
                 self._free_gpm(gpu.gpm_samples)
                 gpu.gpm_samples = None
-
-
-@dataclass(frozen=True)
-class XidEvent:
-    """An XID (driver-reported GPU error) seen by :class:`XidEventWatcher`."""
-
-    gpu_index: int | None  # None: the event named a device we did not register
-    xid: int
-    # When poll() received it: NVML events carry no timestamp (nvmlEventData_t).
-    t_mono_ns: int
-
-
-class XidEventWatcher(Sampler[XidEvent]):
-    """XID critical-error events from NVML, polled without blocking (timeout 0).
-
-    Only events raised after ``start()`` are seen. GPUs whose driver refuses the
-    registration are left out of ``registered_gpus`` (reason in
-    ``unsupported_fields``).
-    """
-
-    def __init__(self, gpus: Sequence[int] | None = None) -> None:
-        super().__init__()
-        self._requested = None if gpus is None else list(gpus)
-        self._event_set: Any = None
-        self._index_by_handle: dict[int | None, int] = {}
-        self.registered_gpus: frozenset[int] = frozenset()
-        self.unsupported_fields: dict[str, str] = {}
-        self.errors: list[str] = []
-
-    def _start(self) -> None:
-        indices = gpu_indices(self._requested)
-        self._event_set = nvml_query(pynvml.nvmlEventSetCreate, field="xid_events",
-                                     unsupported=self.unsupported_fields)
-        if self._event_set is None:
-            return
-        for index in indices:
-            local: dict[str, str] = {}
-            try:
-                handle = nvml_query(pynvml.nvmlDeviceGetHandleByIndex, index,
-                                    field="handle", gpu=index)
-                nvml_query(pynvml.nvmlDeviceRegisterEvents, handle,
-                           pynvml.nvmlEventTypeXidCriticalError, self._event_set,
-                           field="xid_events", unsupported=local, gpu=index)
-            except (GpuLost, NvmlCallError) as err:
-                self.errors.append(str(err))
-                continue
-            if local:
-                self.unsupported_fields.setdefault("xid_events",
-                                                   f"{local['xid_events']} (GPU {index})")
-                continue
-            self._index_by_handle[ctypes.cast(handle, ctypes.c_void_p).value] = index
-        self.registered_gpus = frozenset(self._index_by_handle.values())
-
-    def _poll(self) -> list[XidEvent]:
-        if self._event_set is None:
-            return []
-        events: list[XidEvent] = []
-        for _ in range(_MAX_EVENTS_PER_POLL):
-            try:
-                data = nvml_query(pynvml.nvmlEventSetWait_v2, self._event_set, 0,
-                                  field="xid_events", none_on={pynvml.NVML_ERROR_TIMEOUT})
-            except (GpuLost, NvmlCallError) as err:
-                self.errors.append(str(err))
-                break
-            if data is None:  # TIMEOUT: nothing pending
-                break
-            if data.eventType != pynvml.nvmlEventTypeXidCriticalError:
-                continue
-            handle = ctypes.cast(data.device, ctypes.c_void_p).value
-            events.append(XidEvent(self._index_by_handle.get(handle), int(data.eventData),
-                                   monotonic_ns()))
-        return events
-
-    def _close(self) -> None:
-        if self._event_set is not None:
-            try:
-                nvml_query(pynvml.nvmlEventSetFree, self._event_set, field="xid_events")
-            except ProbeError:
-                pass  # the set dies with the process anyway
-            self._event_set = None
-
-
-@dataclass(frozen=True)
-class GpuHealthReadings:
-    """One reading of everything a health check judges. None: not offered or failed."""
-
-    index: int
-    uuid: str | None = None
-    name: str | None = None
-    pci_bus_id: str | None = None
-    temperature_c: int | None = None
-    temperature_slowdown_c: int | None = None
-    temperature_shutdown_c: int | None = None
-    power_w: float | None = None
-    power_limit_w: float | None = None
-    power_default_limit_w: float | None = None
-    utilization_gpu_pct: int | None = None
-    throttle_reasons: tuple[str, ...] | None = None
-    ecc_volatile_corrected: int | None = None
-    ecc_volatile_uncorrected: int | None = None
-    ecc_aggregate_corrected: int | None = None
-    ecc_aggregate_uncorrected: int | None = None
-    retired_pages_pending: bool | None = None
-    remapped_rows_corrected: int | None = None
-    remapped_rows_uncorrected: int | None = None
-    remapped_rows_pending: bool | None = None
-    remapped_rows_failure: bool | None = None
-    pcie_link_width: int | None = None
-    pcie_link_width_max: int | None = None
-    pcie_link_gen: int | None = None
-    pcie_link_gen_max: int | None = None
-    nvlink_active: Mapping[int, bool] | None = None  # link number -> active
-    process_memory_bytes: Mapping[int, int | None] | None = None  # every compute process
-    unsupported: frozenset[str] = frozenset()  # fields this GPU or driver does not offer
-    errors: Mapping[str, str] = field(default_factory=dict)  # field -> failed read
-    lost: bool = False
-    error: str | None = None
-
-
-def read_gpu_health(index: int, unsupported: dict[str, str] | None = None) -> GpuHealthReadings:
-    """Read GPU ``index`` once for a health check (about 60 NVML calls).
-
-    A lost GPU gives ``lost=True``; other per-field failures are in ``errors``.
-    Raises NvmlUnavailable without a driver.
-    """
-    notes: dict[str, str] = {} if unsupported is None else unsupported
-    try:
-        handle = nvml_query(pynvml.nvmlDeviceGetHandleByIndex, index, field="handle", gpu=index)
-        r = _GpuReader(index, handle, notes)
-        uuid, name = r.identity()
-    except (GpuLost, NvmlCallError) as err:
-        return GpuHealthReadings(index, lost=True, error=str(err))
-    try:
-        return _read_health(r, uuid, name)
-    except GpuLost as err:
-        return GpuHealthReadings(index, uuid, name, lost=True, error=str(err))
-
-
-def _read_health(r: _GpuReader, uuid: str | None, name: str | None) -> GpuHealthReadings:
-    def threshold(field_name: str, kind: int) -> int | None:
-        return r.dev(field_name, pynvml.nvmlDeviceGetTemperatureThreshold, kind)
-
-    def ecc(field_name: str, error_type: int, counter: int) -> int | None:
-        return r.dev(field_name, pynvml.nvmlDeviceGetTotalEccErrors, error_type, counter)
-
-    pci = r.dev("pci_bus_id", pynvml.nvmlDeviceGetPciInfo_v3)
-    pending = r.dev("retired_pages_pending", pynvml.nvmlDeviceGetRetiredPagesPendingStatus)
-    remap = r.dev("remapped_rows", pynvml.nvmlDeviceGetRemappedRows)
-    corrected, uncorrected = pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, \
-        pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-    volatile, aggregate = pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC
-    return GpuHealthReadings(
-        r.index, uuid, name,
-        pci_bus_id=None if pci is None else _text(pci.busId),
-        temperature_c=r.temperature_c(),
-        temperature_slowdown_c=threshold("temperature_slowdown_c",
-                                         pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
-        temperature_shutdown_c=threshold("temperature_shutdown_c",
-                                         pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
-        power_w=r.watts("power_w", pynvml.nvmlDeviceGetPowerUsage),
-        power_limit_w=r.watts("power_limit_w", pynvml.nvmlDeviceGetEnforcedPowerLimit),
-        power_default_limit_w=r.watts("power_default_limit_w",
-                                      pynvml.nvmlDeviceGetPowerManagementDefaultLimit),
-        utilization_gpu_pct=r.utilization()[0],
-        throttle_reasons=r.throttle_reasons(),
-        ecc_volatile_corrected=ecc("ecc_volatile_corrected", corrected, volatile),
-        ecc_volatile_uncorrected=ecc("ecc_volatile_uncorrected", uncorrected, volatile),
-        ecc_aggregate_corrected=ecc("ecc_aggregate_corrected", corrected, aggregate),
-        ecc_aggregate_uncorrected=ecc("ecc_aggregate_uncorrected", uncorrected, aggregate),
-        retired_pages_pending=None if pending is None else bool(pending),
-        remapped_rows_corrected=None if remap is None else remap[0],
-        remapped_rows_uncorrected=None if remap is None else remap[1],
-        remapped_rows_pending=None if remap is None else bool(remap[2]),
-        remapped_rows_failure=None if remap is None else bool(remap[3]),
-        pcie_link_width=r.dev("pcie_link_width", pynvml.nvmlDeviceGetCurrPcieLinkWidth),
-        pcie_link_width_max=r.dev("pcie_link_width_max", pynvml.nvmlDeviceGetMaxPcieLinkWidth),
-        pcie_link_gen=r.dev("pcie_link_gen", pynvml.nvmlDeviceGetCurrPcieLinkGeneration),
-        # The maximum this GPU *and this slot* allow, not the GPU's alone.
-        pcie_link_gen_max=r.dev("pcie_link_gen_max", pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
-        nvlink_active=_nvlink_active(r),
-        process_memory_bytes=r.processes(None)[0],
-        unsupported=frozenset(r.missing),
-        errors=dict(r.errors),
-    )
-
-
-def _nvlink_active(r: _GpuReader) -> dict[int, bool] | None:
-    # Links may be sparse (boards wire a subset), and a link number the GPU lacks
-    # answers INVALID_ARGUMENT or NOT_SUPPORTED: try all NVML_NVLINK_MAX_LINKS.
-    absent = {pynvml.NVML_ERROR_INVALID_ARGUMENT, pynvml.NVML_ERROR_NOT_SUPPORTED}
-    states: dict[int, bool] = {}
-    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
-        state = r.get("nvlink_active", pynvml.nvmlDeviceGetNvLinkState, r.handle, link,
-                      none_on=absent)
-        if state is not None:
-            states[link] = bool(state)
-    if not states and "nvlink_active" not in r.errors:
-        r.missing.add("nvlink_active")
-        r.unsupported.setdefault("nvlink_active", f"not supported (GPU {r.index})")
-        return None
-    return states or None
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -13,6 +13,7 @@ the rest of its environment (which may hold secrets) is dropped while parsing.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import psutil
 from perfmon.parsers import procfs
 from perfmon.parsers.events import ProcessSample, Record
-from perfmon.probes.errors import NoSuchProcess, PrivilegeError, UnsuitableTarget
+from perfmon.probes.errors import NoSuchProcess, UnsuitableTarget, process_errors
 from perfmon.probes.sampler import Source, monotonic_ns
 
 ENVIRON_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES",
@@ -74,21 +75,21 @@ CMDLINE_TOTAL_CHARS = 65536
 MAX_DESCENDANTS = 4096
 
 
-def _read(pid: int, name: str, binary: bool = False) -> str | bytes:
+def read_proc(pid: int, name: str, binary: bool = False) -> str | bytes:
+    """``/proc/<pid>/<name>``, at most its size limit; NoSuchProcess or PrivilegeError."""
     path = f"/proc/{pid}/{name}"
+    with process_errors(pid, reading=path), open(path, "rb") as f:
+        data = f.read(_READ_LIMITS[name])
+    return data if binary else data.decode("utf-8", "replace")
+
+
+def user_name(uid: int) -> str:
+    """The name of user ``uid`` on this node (the uid itself where the node has none for
+    it, e.g. a container's user)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(_READ_LIMITS[name])
-            return data if binary else data.decode("utf-8", "replace")
-    except FileNotFoundError as err:
-        raise NoSuchProcess(f"pid {pid}: no such process") from err
-    except PermissionError as err:
-        raise PrivilegeError(
-            f"pid {pid}: permission denied reading {path} (needs root with CAP_SYS_PTRACE; "
-            "a process in another user namespace or marked undumpable stays unreadable)"
-        ) from err
-    except ProcessLookupError as err:
-        raise NoSuchProcess(f"pid {pid}: process exited") from err
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
 
 
 def inspect_process(pid: int) -> TargetProcess:
@@ -98,19 +99,15 @@ def inspect_process(pid: int) -> TargetProcess:
     """
     if pid <= 0:
         raise NoSuchProcess(f"pid {pid}: not a valid process id")
-    try:
+    with process_errors(pid):
         proc = psutil.Process(pid)
         name, create_time, state = proc.name(), proc.create_time(), proc.status()
         uid = proc.uids().effective
-    except psutil.NoSuchProcess as err:
-        raise NoSuchProcess(f"pid {pid}: no such process") from err
-    except psutil.AccessDenied as err:
-        raise PrivilegeError(f"pid {pid}: access denied: run as root") from err
     if state == psutil.STATUS_ZOMBIE:
         raise UnsuitableTarget(
             f"pid {pid} ({name}): is a zombie (it exited; its parent has not reaped it)")
-    cmdline = procfs.parse_cmdline(_read(pid, "cmdline", binary=True))  # type: ignore[arg-type]
-    mappings = procfs.parse_maps(_read(pid, "maps"))  # type: ignore[arg-type]
+    cmdline = procfs.parse_cmdline(read_proc(pid, "cmdline", binary=True))  # type: ignore[arg-type]
+    mappings = procfs.parse_maps(read_proc(pid, "maps"))  # type: ignore[arg-type]
     exe = os.path.basename(cmdline[0]) if cmdline else name
     is_python = (
         _PYTHON_EXE.match(name) is not None
@@ -126,7 +123,7 @@ def inspect_process(pid: int) -> TargetProcess:
             f"(no {TORCH_LIBRARY_PREFIX}.so in /proc/{pid}/maps)"
         )
     environ = procfs.parse_environ(
-        _read(pid, "environ", binary=True), ENVIRON_KEYS  # type: ignore[arg-type]
+        read_proc(pid, "environ", binary=True), ENVIRON_KEYS  # type: ignore[arg-type]
     )
     return TargetProcess(pid, name, cmdline, environ, torch_mapping.path, create_time,
                          torch_mapping, uid)
@@ -142,12 +139,8 @@ def resolve_targets(pid: int) -> list[TargetProcess]:
     - Anything else (a shell wrapper, srun) expands to its topmost descendants
       that have PyTorch loaded; with none, the pid's own error is raised.
     """
-    try:
+    with process_errors(pid):
         children = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess as err:
-        raise NoSuchProcess(f"pid {pid}: no such process") from err
-    except psutil.AccessDenied as err:
-        raise PrivilegeError(f"pid {pid}: access denied: run as root") from err
     children = children[:MAX_DESCENDANTS]
     if "RANK" not in _rank_environ(pid):
         with_rank = {c.pid for c in children if "RANK" in _rank_environ(c.pid)}

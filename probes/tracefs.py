@@ -36,24 +36,21 @@ to read the target's /proc files. A PyTorch whose libtorch_cpu.so exports
 ``record_function_enter_new`` (1.13+) or ``record_function_enter``, as for MarkerProbe.
 
 What a SIGKILLed agent leaves in tracefs (its events and instance) is removed by the
-next probe's ``start()`` (:func:`remove_stale_probes`).
+next probe's ``start()`` (:func:`perfmon.probes.ftrace.remove_stale_probes`). Finding
+tracefs and handling the instance are perfmon.probes.ftrace's, reading trace_pipe's
+lines perfmon.parsers.trace_pipe's.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import errno
 import itertools
 import mmap
 import os
-import re
-import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import psutil
 from perfmon.parsers.elf_symbols import (
     ElfError,
     ElfSymbol,
@@ -63,6 +60,7 @@ from perfmon.parsers.elf_symbols import (
 )
 from perfmon.parsers.events import Record
 from perfmon.parsers.procfs import CAP_SYS_ADMIN, CAP_SYS_PTRACE, missing_capabilities
+from perfmon.parsers.trace_pipe import classify_step_name, parse_name_arg, parse_trace_line
 from perfmon.probes.errors import (
     NoSuchProcess,
     PrerequisiteMissing,
@@ -70,6 +68,16 @@ from perfmon.probes.errors import (
     SymbolNotFound,
 )
 from perfmon.probes.files import MappedLibrary
+from perfmon.probes.ftrace import (
+    GROUP_PREFIX,
+    TraceInstance,
+    buffer_size_kb,
+    error_log_tail,
+    remove_stale_probes,
+    remove_uprobe_event,
+    tracefs_write,
+    uprobe_events_root,
+)
 from perfmon.probes.procfs import TargetProcess, agent_capabilities
 from perfmon.probes.sampler import Source
 from perfmon.probes.uprobes import (
@@ -77,19 +85,11 @@ from perfmon.probes.uprobes import (
     DEFAULT_STEP_KINDS,
     ENGINE_EXECUTE_SYMBOL,
     RECORD_FUNCTION_SYMBOLS,
-    STEP_NAME_PREFIXES,
     MarkerEvent,
     open_torch_library,
     step_prefixes,
 )
 
-# Where tracefs lives: its own mount point (Linux 4.1+), or under debugfs, where
-# the kernel mounts it automatically when debugfs is mounted.
-TRACEFS_MOUNT_POINT = "/sys/kernel/tracing"
-DEBUGFS_TRACING = "/sys/kernel/debug/tracing"
-# Every event group and instance this module makes is named after it, with the
-# agent's pid: perfmon_<pid> (group), perfmon_<pid>_<random hex> (instance).
-GROUP_PREFIX = "perfmon_"
 # The name argument of record_function_enter_new(const std::string& name, ...):
 # its class return value takes the first argument register, so the std::string*
 # is the second; libstdc++ keeps the char* at offset 0 of std::string, hence two
@@ -101,24 +101,9 @@ _NAME_FETCH = {
 # Bytes of a name kept, with its terminating NUL: iterations.bpf.c's NAME_LEN,
 # so that both backends cut long names at the same byte.
 NAME_LEN_BYTES = 64
-# Per CPU: a few KiB hold a second of markers; the rest is headroom for polls that
-# come late. Bounded in total so that a many-core host does not pay 1 MiB a CPU.
-_BUFFER_KB_PER_CPU_MAX = 1024
-_BUFFER_KB_PER_CPU_MIN = 64
-_BUFFER_KB_TOTAL = 16384
-# poll() reads at most this much of the pipe at a time, so it returns promptly
-# even when a flood of events is waiting; the rest waits for the next poll.
-_MAX_READ_PER_POLL_BYTES = 4 << 20
-_READ_CHUNK_BYTES = 1 << 16
-_MAX_PARTIAL_LINE_BYTES = 1 << 16
 # The ring buffer's loss counters are re-read at most this often (s).
 _STATS_INTERVAL_S = 1.0
-# A pid whose process started this long (s) after a perfmon instance of that pid
-# was made is not the agent that made it (the pid was reused). The margin covers
-# the one-second resolution of the boot time psutil adds to a process's start.
-_PID_REUSE_MARGIN_S = 2.0
 _RECORD_FUNCTION = "record_function"  # an rf_enter event: classified by its name
-_LOSS_COUNTERS = ("overrun", "commit overrun", "dropped events")
 # Event numbers: unique within the agent, so that several probes in one agent
 # (same group) never define the same event name.
 _EVENT_NUMBERS = {"rf": itertools.count(), "bw": itertools.count(), "wait": itertools.count()}
@@ -126,74 +111,6 @@ _EVENT_NUMBERS = {"rf": itertools.count(), "bw": itertools.count(), "wait": iter
 
 def _agent() -> str:
     return f"pid {os.getpid()} (perfmon-agent)"
-
-
-def _unescape_mount_path(field: str) -> str:
-    """A mount point as /proc/self/mounts writes it (space, tab, newline, \\ octal-escaped)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def _tracefs_mounts() -> list[str]:
-    """Mount points of tracefs in the agent's mount namespace, the usual one first."""
-    found = []
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 3 and fields[2] == "tracefs":
-                    found.append(_unescape_mount_path(fields[1]))
-    except OSError:
-        return []
-    return sorted(found, key=lambda p: (p != TRACEFS_MOUNT_POINT, p != DEBUGFS_TRACING, p))
-
-
-def _mount_tracefs() -> None:
-    """Mount tracefs at TRACEFS_MOUNT_POINT; PrivilegeError or PrerequisiteMissing."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"nodev", TRACEFS_MOUNT_POINT.encode(), b"tracefs", 0, None) == 0:
-        return
-    err = ctypes.get_errno()
-    if err == errno.EBUSY:  # mounted meanwhile by someone else
-        return
-    if err == errno.EPERM:
-        raise PrivilegeError(
-            f"{_agent()}: tracefs is not mounted and mounting it at {TRACEFS_MOUNT_POINT} was "
-            "refused: run as root (CAP_SYS_ADMIN), or mount it beforehand "
-            f"(mount -t tracefs nodev {TRACEFS_MOUNT_POINT})"
-        )
-    if err == errno.ENODEV:
-        raise PrerequisiteMissing(
-            f"{_agent()}: the kernel has no tracefs (CONFIG_TRACING is off): tracefs uprobes "
-            "cannot be used"
-        )
-    raise PrerequisiteMissing(
-        f"{_agent()}: cannot mount tracefs at {TRACEFS_MOUNT_POINT}: {os.strerror(err)}"
-    )
-
-
-def _find_tracefs() -> str:
-    """The tracefs root to use, mounting tracefs when it is mounted nowhere."""
-    for root in _tracefs_mounts():
-        if os.path.exists(os.path.join(root, "uprobe_events")):
-            return root
-    mounts = _tracefs_mounts()
-    if mounts:
-        return mounts[0]
-    if os.path.isdir(TRACEFS_MOUNT_POINT):
-        try:
-            _mount_tracefs()
-        except PrivilegeError:
-            # debugfs, when mounted, mounts tracefs under it on first access.
-            if os.path.exists(os.path.join(DEBUGFS_TRACING, "uprobe_events")):
-                return DEBUGFS_TRACING
-            raise
-        return TRACEFS_MOUNT_POINT
-    if os.path.exists(os.path.join(DEBUGFS_TRACING, "uprobe_events")):
-        return DEBUGFS_TRACING
-    raise PrerequisiteMissing(
-        f"{_agent()}: no tracefs: {TRACEFS_MOUNT_POINT} does not exist (a kernel without "
-        "CONFIG_TRACING, or /sys not mounted)"
-    )
 
 
 def check_tracefs_prerequisites() -> str:
@@ -216,238 +133,7 @@ def check_tracefs_prerequisites() -> str:
             f"{_agent()}: tracefs uprobes: reading record_function names is only "
             f"implemented on {', '.join(sorted(_NAME_FETCH))}, not {machine}"
         )
-    root = _find_tracefs()
-    events = os.path.join(root, "uprobe_events")
-    try:
-        os.stat(events)
-    except FileNotFoundError as err:
-        raise PrerequisiteMissing(
-            f"{_agent()}: {events} does not exist: the kernel has no uprobe events "
-            "(CONFIG_UPROBE_EVENTS)"
-        ) from err
-    except PermissionError as err:  # tracefs' root folder is root's alone (mode 0700)
-        raise PrivilegeError(
-            f"{_agent()}: cannot reach {events} ({err.strerror}): run as root"
-        ) from err
-    if not os.path.isdir(os.path.join(root, "instances")):
-        raise PrerequisiteMissing(f"{_agent()}: {root} has no instances folder (Linux < 3.19)")
-    try:
-        # Opening for append checks the right to write without changing anything
-        # (O_TRUNC would delete every uprobe event on the host).
-        fd = os.open(events, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-    except PermissionError as err:
-        raise PrivilegeError(
-            f"{_agent()}: cannot write {events} ({err.strerror}): run as root; under kernel "
-            "lockdown (confidentiality) tracefs cannot be used at all"
-        ) from err
-    except OSError as err:
-        raise PrerequisiteMissing(f"{_agent()}: cannot open {events}: {err.strerror}") from err
-    os.close(fd)
-    return root
-
-
-def tracefs_root() -> str:
-    """The tracefs root (mounted here when it was not), for instances and static trace events.
-
-    Unlike :func:`check_tracefs_prerequisites` it asks for no uprobe events: a
-    tracepoint (e.g. ``oom:mark_victim``) needs only an instance to enable it in.
-    Raises PrivilegeError or PrerequisiteMissing, naming the agent's pid.
-    """
-    root = _find_tracefs()
-    instances = os.path.join(root, "instances")
-    try:
-        os.stat(instances)
-    except PermissionError as err:  # tracefs' root folder is root's alone (mode 0700)
-        raise PrivilegeError(f"{_agent()}: cannot reach {instances} ({err.strerror}): "
-                             "run as root") from err
-    except OSError as err:
-        raise PrerequisiteMissing(f"{_agent()}: {root} has no instances folder (Linux < 3.19)"
-                                  ) from err
-    return root
-
-
-def make_instance(root: str, group: str, buffer_kb: int) -> str:
-    """A new private instance ``<group>_<8 hex>`` of tracefs ``root``; its path.
-
-    Its ``trace_clock`` is ``mono`` (CLOCK_MONOTONIC, the clock of every record)
-    and its ring buffer ``buffer_kb`` KiB per CPU; only the instance's settings
-    change, the global buffer keeps its own. Raises PrerequisiteMissing; an
-    instance whose settings failed is removed again.
-    """
-    path = os.path.join(root, "instances", f"{group}_{secrets.token_hex(4)}")
-    try:
-        os.mkdir(path)
-    except OSError as err:
-        raise PrerequisiteMissing(
-            f"{_agent()}: cannot create a tracefs instance in {root}/instances: {err.strerror}"
-        ) from err
-    try:
-        _write(os.path.join(path, "trace_clock"), "mono")
-        _write(os.path.join(path, "buffer_size_kb"), str(buffer_kb))
-    except OSError as err:
-        remove_instance(path)
-        raise PrerequisiteMissing(
-            f"{_agent()}: cannot configure tracefs instance {path}: {err.strerror}"
-        ) from err
-    return path
-
-
-def enable_event(instance: str, system: str, event: str) -> None:
-    """Enable trace event ``system:event`` in an instance only (path from make_instance).
-
-    Raises FileNotFoundError when the kernel has no such event, OSError otherwise.
-    """
-    _write(os.path.join(instance, "events", system, event, "enable"), "1")
-
-
-def remove_instance(path: str) -> str | None:
-    """Remove a tracefs instance (which disables the events enabled in it); a warning when
-    it cannot be (None when done or gone)."""
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass
-    except OSError as err:  # EBUSY: someone holds its trace_pipe open
-        return f"{_agent()}: cannot remove tracefs instance {path}: {err.strerror}"
-    return None
-
-
-def ring_buffer_losses(instance: str) -> int | None:
-    """Events an instance's ring buffer lost (overwritten or not stored), summed over its
-    CPUs; None when its statistics cannot be read."""
-    per_cpu = os.path.join(instance, "per_cpu")
-    total = 0
-    try:
-        for cpu in os.listdir(per_cpu):
-            for line in _read_text(os.path.join(per_cpu, cpu, "stats")).splitlines():
-                key, _, value = line.partition(":")
-                if key.strip() in _LOSS_COUNTERS and value.strip().isdigit():
-                    total += int(value)
-    except OSError:
-        return None
-    return total
-
-
-def read_trace_pipe(fd: int, partial: bytes,
-                    max_bytes: int = _MAX_READ_PER_POLL_BYTES) -> tuple[list[bytes], bytes]:
-    """The complete lines waiting in a trace_pipe opened ``O_NONBLOCK`` (about ``max_bytes``
-    at most, so a flood waits for the next call), and the partial last line to pass back
-    as ``partial`` next time. Never blocks; OSError from the read propagates.
-    """
-    chunks, total = [partial], 0
-    while total < max_bytes:
-        try:
-            chunk = os.read(fd, _READ_CHUNK_BYTES)
-        except BlockingIOError:
-            break  # nothing more now
-        if not chunk:
-            break
-        chunks.append(chunk)
-        total += len(chunk)
-    lines = b"".join(chunks).split(b"\n")
-    partial = lines.pop()
-    if len(partial) > _MAX_PARTIAL_LINE_BYTES:
-        partial = b""  # no event line is this long: not ours
-    return lines, partial
-
-
-def _write(path: str, text: str, append: bool = False) -> None:
-    """One write() of ``text`` to a tracefs file. Never opens with O_TRUNC: on
-    uprobe_events and set_event_pid that would clear what others defined."""
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | (os.O_APPEND if append else 0))
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
-def _read_text(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
-
-
-def _error_log_tail(root: str) -> str:
-    """The kernel's reason for the last refused definition, e.g. "trace_uprobe: error:
-    Invalid register name" ('' if none). error_log repeats the command after it."""
-    try:
-        lines = _read_text(os.path.join(root, "error_log")).splitlines()
-    except OSError:
-        return ""
-    reasons = [li for li in lines if li.startswith("[")]
-    return reasons[-1].partition("]")[2].strip() if reasons else ""
-
-
-def buffer_size_kb(cpus: int | None = None) -> int:
-    """The instance's ring buffer size per CPU (KiB): 1024 on small hosts, less on big ones."""
-    per_cpu = _BUFFER_KB_TOTAL // max(1, cpus or os.cpu_count() or 1)
-    return max(_BUFFER_KB_PER_CPU_MIN, min(_BUFFER_KB_PER_CPU_MAX, per_cpu))
-
-
-# --- reading trace_pipe ------------------------------------------------------
-
-@dataclass(frozen=True)
-class TraceLine:
-    """One uprobe event line of trace_pipe."""
-
-    tid: int
-    tgid: int | None  # None when the kernel had not recorded it yet ("(-------)")
-    t_mono_ns: int  # floored to the microsecond trace_pipe prints
-    event: str
-    args: bytes  # what follows the probe address, e.g. b' name="Optimizer.step#SGD.step"'
-
-
-# The context trace_pipe prints after the task's comm: "-TID (TGID) [CPU] FLAGS
-# SECONDS.MICROSECONDS: EVENT: (ADDRESS)" and for a return probe "(ADDRESS <-
-# FUNCTION)". The comm is printed "%16s" and is at most 15 bytes, so it fills
-# exactly _COMM_WIDTH bytes; it may hold spaces or dashes, hence parsing from a
-# fixed column rather than splitting. TGID is there with options/record-tgid,
-# FLAGS with options/irq-info.
-_COMM_WIDTH = 16
-_CONTEXT_PREFIX = rb"-(\d+) +(?:\( *(\d+|-+)\) +)?\[\d+\] +(?:\S+ +)?(\d+)\.(\d{6}): (\w+): "
-_CONTEXT = re.compile(_CONTEXT_PREFIX + rb"\(0x[0-9a-f]+(?: <- 0x[0-9a-f]+)?\)(.*)", re.S)
-# Any event's line (a tracepoint's fields follow its name: "mark_victim: pid=1973 ...").
-_ANY_EVENT = re.compile(_CONTEXT_PREFIX + rb"(.*)", re.S)
-_NAME_ARG = re.compile(rb' name="(.*)"', re.S)
-
-
-def parse_trace_line(line: bytes) -> TraceLine | None:
-    """A uprobe event line of trace_pipe (without its newline), or None for any other line."""
-    return _trace_line(_CONTEXT.fullmatch(line, _COMM_WIDTH))
-
-
-def parse_event_line(line: bytes) -> TraceLine | None:
-    """Any event line of trace_pipe (a tracepoint's too), or None for another line;
-    ``args`` holds what follows the event's name (``b"pid=1973 comm=python ..."``)."""
-    return _trace_line(_ANY_EVENT.fullmatch(line, _COMM_WIDTH))
-
-
-def _trace_line(m: re.Match[bytes] | None) -> TraceLine | None:
-    if m is None:
-        return None
-    tid, tgid, seconds, micros, event, args = m.groups()
-    return TraceLine(
-        tid=int(tid),
-        tgid=int(tgid) if tgid and tgid.isdigit() else None,
-        t_mono_ns=int(seconds) * 1_000_000_000 + int(micros) * 1000,
-        event=event.decode("ascii"),
-        args=args,
-    )
-
-
-def parse_name_arg(args: bytes) -> bytes | None:
-    """The ``name`` string of an rf_enter event, or None when the kernel could not read
-    it (``name=(fault)``)."""
-    m = _NAME_ARG.fullmatch(args)
-    return m.group(1) if m else None
-
-
-def classify_step_name(name: bytes, prefixes: dict[str, str] = STEP_NAME_PREFIXES
-                       ) -> str | None:
-    """The marker kind a record_function name marks (of ``prefixes``), or None."""
-    for prefix, kind in prefixes.items():
-        if name.startswith(prefix.encode()):
-            return kind
-    return None
+    return uprobe_events_root()
 
 
 def _step_name_filter(prefixes: dict[str, str]) -> str | None:
@@ -456,90 +142,6 @@ def _step_name_filter(prefixes: dict[str, str]) -> str | None:
     if any(set(p) & set('*?[]"\\') for p in prefixes):
         return None
     return " || ".join(f'name ~ "{prefix}*"' for prefix in prefixes)
-
-
-# --- clean-up of agents that died -------------------------------------------
-
-_EVENT_LINE = re.compile(rf"^[pr]\w*:{GROUP_PREFIX}(\d+)/(\w+)\s")
-_INSTANCE_NAME = re.compile(rf"^{GROUP_PREFIX}(\d+)_[0-9a-f]+$")
-
-
-def _agent_alive(pid: int, instance_ctimes: list[float]) -> bool:
-    """Whether ``pid`` may still be the agent that made these events and instances."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        created = proc.create_time()
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:
-        return True  # cannot tell: leave them
-    # A process younger than every instance of its pid did not make them.
-    return not instance_ctimes or created <= max(instance_ctimes) + _PID_REUSE_MARGIN_S
-
-
-def remove_stale_probes(root: str) -> list[str]:
-    """Remove the uprobe events and instances of perfmon agents that no longer run.
-
-    Only groups ``perfmon_<pid>`` and instances ``perfmon_<pid>_<hex>`` are
-    looked at; those of a live agent are left alone. Returns warnings for what
-    could not be removed (e.g. an event someone enabled in another instance).
-    """
-    warnings: list[str] = []
-    events: dict[int, list[str]] = {}
-    try:
-        try:
-            uprobe_events = _read_text(os.path.join(root, "uprobe_events")).splitlines()
-        except FileNotFoundError:
-            uprobe_events = []  # no CONFIG_UPROBE_EVENTS: instances only (perfmon.probes.exits)
-        for line in uprobe_events:
-            m = _EVENT_LINE.match(line)
-            if m:
-                events.setdefault(int(m.group(1)), []).append(m.group(2))
-        instance_dir = os.path.join(root, "instances")
-        instances: dict[int, list[str]] = {}
-        for entry in os.listdir(instance_dir):
-            m = _INSTANCE_NAME.match(entry)
-            if m:
-                instances.setdefault(int(m.group(1)), []).append(entry)
-    except OSError as err:
-        return [f"{_agent()}: cannot look for stale perfmon uprobes in {root}: {err.strerror}"]
-    for pid in sorted(set(events) | set(instances)):
-        ctimes = []
-        for name in instances.get(pid, []):
-            try:
-                ctimes.append(os.stat(os.path.join(instance_dir, name)).st_ctime)
-            except FileNotFoundError:
-                pass  # removed meanwhile (by that agent, or another agent cleaning up)
-        if _agent_alive(pid, ctimes):
-            continue
-        # Instances first: removing one disables the events enabled in it, and an
-        # enabled event cannot be removed.
-        for name in instances.get(pid, []):
-            try:
-                os.rmdir(os.path.join(instance_dir, name))
-            except FileNotFoundError:
-                pass
-            except OSError as err:
-                warnings.append(f"{_agent()}: cannot remove stale tracefs instance {name} of "
-                                f"dead agent pid {pid}: {err.strerror}")
-        for event in events.get(pid, []):
-            warning = _remove_event(root, f"{GROUP_PREFIX}{pid}", event)
-            if warning:
-                warnings.append(f"{warning} (stale: agent pid {pid} is gone)")
-    return warnings
-
-
-def _remove_event(root: str, group: str, event: str) -> str | None:
-    """Delete one uprobe event; a warning when it cannot be (None when done or gone)."""
-    try:
-        _write(os.path.join(root, "uprobe_events"), f"-:{group}/{event}\n", append=True)
-    except FileNotFoundError:
-        return None  # already removed (the kernel says ENOENT)
-    except OSError as err:
-        return f"{_agent()}: cannot remove uprobe event {group}/{event}: {err.strerror}"
-    return None
 
 
 # --- the probe ----------------------------------------------------------------
@@ -603,13 +205,11 @@ class TracefsMarkerProbe(Source):
         self.dropped = 0
         self.events = 0
         self.group = f"{GROUP_PREFIX}{os.getpid()}"
-        self.instance_name: str | None = None
         self._root = ""
+        self._trace: TraceInstance | None = None  # the private instance, while started
         self._kinds: dict[str, str] = {}  # our event name -> marker kind or _RECORD_FUNCTION
         self._defined: list[str] = []
         self._enabled: list[str] = []
-        self._pipe = -1
-        self._partial = b""
         self._libraries: list[MappedLibrary] = []
         self._pids = {t.pid for t in targets}
         self._tgids: dict[int, int | None] = {}
@@ -617,8 +217,9 @@ class TracefsMarkerProbe(Source):
         self._owner_pid = os.getpid()
 
     @property
-    def _instance(self) -> str:
-        return os.path.join(self._root, "instances", self.instance_name or "")
+    def instance_name(self) -> str | None:
+        """The tracefs instance's name while the probe is started (None before and after)."""
+        return self._trace.name if self._trace is not None else None
 
     def _start(self) -> None:
         self._owner_pid = os.getpid()
@@ -628,13 +229,13 @@ class TracefsMarkerProbe(Source):
         atexit.register(self.close)  # an agent that raises still removes its probes
         try:
             points = self._open_libraries()
-            self._make_instance()
-            self._follow_targets()
+            self._trace = trace = TraceInstance(self._root, self.group, buffer_size_kb())
+            self._configure(trace)
+            self._follow_targets(trace)
             for library, target, record, engine, wait in points:
                 self._define(library, target, record, engine, wait)
-            self._enable()
-            self._pipe = os.open(os.path.join(self._instance, "trace_pipe"),
-                                 os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            self._enable(trace)
+            trace.open_pipe()
         except BaseException:
             self._close()
             raise
@@ -661,26 +262,24 @@ class TracefsMarkerProbe(Source):
                 )
         return list(points.values())
 
-    def _make_instance(self) -> None:
-        path = make_instance(self._root, self.group, buffer_size_kb())
-        self.instance_name = os.path.basename(path)
+    def _configure(self, trace: TraceInstance) -> None:
         try:
             # Threads a target starts later inherit its place in set_event_pid.
-            _write(os.path.join(self._instance, "options", "event-fork"), "1")
+            tracefs_write(os.path.join(trace.path, "options", "event-fork"), "1")
         except OSError as err:
             raise PrerequisiteMissing(
-                f"{_agent()}: cannot configure tracefs instance {self._instance}: {err.strerror}"
+                f"{_agent()}: cannot configure tracefs instance {trace.path}: {err.strerror}"
             ) from err
         for option, value in (("record-tgid", "1"), ("irq-info", "0")):
             try:
                 # record-tgid prints each event's tgid; without it (or before the kernel
                 # has recorded a thread's tgid) it is read from /proc/TID/status.
                 # irq-info only adds a column of flags.
-                _write(os.path.join(self._instance, "options", option), value)
+                tracefs_write(os.path.join(trace.path, "options", option), value)
             except OSError:
                 pass
 
-    def _follow_targets(self) -> None:
+    def _follow_targets(self, trace: TraceInstance) -> None:
         """Let only the targets' threads' events into the instance.
 
         set_event_pid, not a ``common_pid`` event filter: common_pid is a thread
@@ -692,7 +291,7 @@ class TracefsMarkerProbe(Source):
         and dropped in poll() by their tgid. Threads are listed twice, so one
         started while the first list was written is not missed.
         """
-        path = os.path.join(self._instance, "set_event_pid")
+        path = os.path.join(trace.path, "set_event_pid")
         written: set[int] = set()
         for _ in range(2):
             tids = set()
@@ -705,7 +304,7 @@ class TracefsMarkerProbe(Source):
             new = sorted(tids - written)
             for i in range(0, len(new), 256):
                 try:
-                    _write(path, " ".join(map(str, new[i:i + 256])))
+                    tracefs_write(path, " ".join(map(str, new[i:i + 256])))
                 except OSError as err:
                     raise PrerequisiteMissing(
                         f"{_agent()}: cannot set the pid filter {path}: {err.strerror}"
@@ -737,9 +336,10 @@ class TracefsMarkerProbe(Source):
 
     def _add_event(self, target: TargetProcess, name: str, kind: str, definition: str) -> None:
         try:
-            _write(os.path.join(self._root, "uprobe_events"), definition + "\n", append=True)
+            tracefs_write(os.path.join(self._root, "uprobe_events"), definition + "\n",
+                          append=True)
         except OSError as err:
-            why = _error_log_tail(self._root)
+            why = error_log_tail(self._root)
             raise PrerequisiteMissing(
                 f"pid {target.pid} ({target.name}): the kernel refused uprobe event "
                 f"{definition!r}: {err.strerror}{'; ' + why if why else ''}"
@@ -747,17 +347,17 @@ class TracefsMarkerProbe(Source):
         self._defined.append(name)
         self._kinds[name] = kind
 
-    def _enable(self) -> None:
+    def _enable(self, trace: TraceInstance) -> None:
         name_filter = _step_name_filter(self._prefixes)
         for name, kind in self._kinds.items():
-            folder = os.path.join(self._instance, "events", self.group, name)
             if kind == _RECORD_FUNCTION and name_filter:
                 try:
-                    _write(os.path.join(folder, "filter"), name_filter)
+                    tracefs_write(os.path.join(trace.path, "events", self.group, name, "filter"),
+                                  name_filter)
                 except OSError:
                     pass  # an older filter syntax: poll() classifies the names anyway
             try:
-                _write(os.path.join(folder, "enable"), "1")
+                trace.enable(self.group, name)
             except OSError as err:
                 # EINVAL here is, in practice, another uprobe on the same function
                 # with a different USDT reference counter: the kernel shares one
@@ -778,15 +378,13 @@ class TracefsMarkerProbe(Source):
         return {"events": self.events, "events_dropped": self.dropped}
 
     def _poll(self) -> list[Record]:
-        if self._pipe < 0:
+        if self._trace is None or not self._trace.reading:
             return []
         try:
-            lines, self._partial = read_trace_pipe(self._pipe, self._partial)
-        except OSError as err:
-            self.warnings.append(f"{_agent()}: reading {self._instance}/trace_pipe failed: "
+            lines = self._trace.read_lines()
+        except OSError as err:  # the pipe is closed: nothing more will come
+            self.warnings.append(f"{_agent()}: reading {self._trace.path}/trace_pipe failed: "
                                  f"{err.strerror}; no more markers")
-            os.close(self._pipe)
-            self._pipe = -1
             return []
         events = []
         lost = False
@@ -843,7 +441,7 @@ class TracefsMarkerProbe(Source):
 
     def _read_dropped(self) -> None:
         """Events the instance's ring buffer lost, summed over its CPUs."""
-        total = ring_buffer_losses(self._instance)
+        total = self._trace.losses() if self._trace is not None else None
         if total is not None:
             self.dropped = total
 
@@ -858,25 +456,22 @@ class TracefsMarkerProbe(Source):
         atexit.unregister(self.close)
         if os.getpid() != self._owner_pid:
             return  # a forked child: the probes are its parent's to remove
-        if self.instance_name is not None:
+        if self._trace is not None:
             self._read_dropped()
             for name in self._enabled:
                 try:
-                    _write(os.path.join(self._instance, "events", self.group, name, "enable"), "0")
+                    self._trace.enable(self.group, name, on=False)
                 except OSError as err:
                     self.warnings.append(f"{_agent()}: cannot disable uprobe event "
                                          f"{self.group}/{name}: {err.strerror}")
         self._enabled = []
-        if self._pipe >= 0:
-            os.close(self._pipe)
-            self._pipe = -1
-        if self.instance_name is not None:
-            warning = remove_instance(self._instance)
+        if self._trace is not None:
+            warning = self._trace.close()  # closes trace_pipe first
             if warning:
                 self.warnings.append(warning)
-            self.instance_name = None
+            self._trace = None
         for name in self._defined:
-            warning = _remove_event(self._root, self.group, name)
+            warning = remove_uprobe_event(self._root, self.group, name)
             if warning:
                 self.warnings.append(warning)
         self._defined = []

@@ -22,7 +22,7 @@ def session_facts(log_interval: int = 10, max_log_entries: int | None = 2000) ->
         "start_time": "2026-11-30T12:00:00+00:00", "attach_monotonic_ns": START_NS,
         "host": "node-1", "agent_version": "test", "pid": PID, "pids": [PID], "ranks": [0],
         "primary_pid": PID, "command_line": ["python", "train.py"],
-        "torch_library": "/usr/lib/libtorch_cpu.so", "iteration_numbering": "counted from attach",
+        "torch_library": "/usr/lib/libtorch_cpu.so", "iteration_numbering": "attach",
         "log_interval": log_interval, "model": {"source": "model_config:m.yaml"},
         "iteration_source": "uprobe", "warnings": [], "gpu": {"available": False},
         "stack_sampling": True, "cuda": {"available": False},

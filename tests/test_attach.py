@@ -68,7 +68,8 @@ def test_step_time_and_iteration_count_match_the_targets_own_timestamps(
     assert len(logs) == stats["measured_iterations"] // 10
     # Numbered as the job numbers them (its local `iteration`): each entry ends at the
     # Optimizer.step entry of the iteration that the target stamped with that number.
-    assert info["iteration_numbering"] == "the job's own (local variable 'iteration')"
+    assert info["iteration_numbering"] == "job_counter"
+    assert info["iteration_counter"] == "iteration"
     stamps = dict(target.timestamps())
     for entry in logs:
         n = entry["iteration"]

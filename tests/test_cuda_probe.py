@@ -21,7 +21,9 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import pytest
-from perfmon.probes.cuda import NCCL_COLLECTIVES, CudaActivityProbe, CudaCounters
+from perfmon.probes.cuda import CudaActivityProbe
+from perfmon.probes.cuda_counters import CudaCounters
+from perfmon.probes.cuda_libraries import NCCL_COLLECTIVES
 from perfmon.probes.procfs import inspect_process
 from perfmon.probes.uprobes import RECORD_FUNCTION_SYMBOLS
 

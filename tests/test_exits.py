@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -26,6 +27,13 @@ from pathlib import Path
 import psutil
 import pytest
 from perfmon.agent.reducers.exits import Exits
+from perfmon.parsers.proc_connector import (
+    PROC_EVENT_EXIT,
+    ConnectorExit,
+    parse_connector_exits,
+    subscribe_messages,
+)
+from perfmon.parsers.trace_pipe import oom_victim, parse_event_line
 from perfmon.probes.exits import ExitSource
 from perfmon.probes.procfs import inspect_process
 
@@ -342,6 +350,24 @@ def test_without_the_kernel_hook_an_exit_is_recorded_with_no_status_never_a_gues
         "source": "unobserved", "rank": 0}
     # Unreaped, the kernel still holds its status (/proc/PID/stat): that is not a guess.
     assert (records[zombie.pid]["exit_code"], records[zombie.pid]["source"]) == (5, "proc_stat")
+
+
+# -- the parsers, on bytes as the kernel writes them --------------------------------
+
+def test_connector_datagrams_and_mark_victim_lines_give_exits_and_victims():
+    # An exit as do_exit sends it: nlmsghdr, cn_msg, proc_event (its header, then the exit).
+    event = struct.pack("=IIQ", PROC_EVENT_EXIT, 1, 5_000) + struct.pack("=iiII", 42, 40, 768, 9)
+    cn = struct.pack("=IIIIHH", 1, 1, 0, 0, len(event), 0) + event
+    datagram = struct.pack("=IHHII", 16 + len(cn), 3, 0, 0, 0) + cn
+    assert parse_connector_exits(datagram * 2) == [ConnectorExit(42, 40, 5_000, 768)] * 2
+    assert parse_connector_exits(datagram[:-1]) == []  # cut short: nothing read past the end
+    # The subscription requests are connector messages too, and hold no exit event.
+    assert [parse_connector_exits(m) for m in subscribe_messages(7)] == [[], []]
+    line = parse_event_line(b"      oom_reaper-55      [000] .....   120.000001: mark_victim: "
+                            b"pid=1973 uid=0 comm=python")
+    assert line is not None and oom_victim(line) == 1973
+    other = parse_event_line(b"          python-1       [000] .....     1.000000: other: pid=5")
+    assert other is not None and oom_victim(other) is None
 
 
 # -- the reducer, on records as the source gives them -------------------------------

@@ -1,4 +1,4 @@
-"""``python -m perfmon.agent.health`` against the fake libnvidia-ml.so.1 (real pynvml).
+"""``perfmon-agent health`` against the fake libnvidia-ml.so.1 (real pynvml).
 
 Every check passes on a healthy GPU and warns or fails on its scripted fault, with
 the matching exit status; unsupported checks are skipped; no driver is one line on
@@ -27,8 +27,8 @@ def health(fake: FakeNvml, tmp_path: Path, scenario: str, *args: str,
            json_out: bool = True) -> tuple[int, Any, str]:
     """(exit status, parsed JSON or stdout text, stderr) of one health run."""
     path = write_scenario(tmp_path / "scenario", textwrap.dedent(scenario))
-    argv = ["-m", "perfmon.agent.health", "--window", WINDOW, *(["--json"] if json_out else []),
-            *args]
+    argv = ["-m", "perfmon.agent.cli", "health", "--window", WINDOW,
+            *(["--json"] if json_out else []), *args]
     done = fake.run(argv, path)
     out = json.loads(done.stdout) if json_out else done.stdout
     if isinstance(out, dict):
@@ -170,7 +170,7 @@ def test_temperature_is_judged_on_the_peak_during_the_window(
     code = textwrap.dedent(f"""
         import json, threading, time
         from pathlib import Path
-        from perfmon.agent.health import run_health_check
+        from perfmon.agent.measure.health import run_health_check
 
         def rewrite(text):
             tmp = Path({str(path)!r} + ".tmp"); tmp.write_text(text); tmp.replace({str(path)!r})
@@ -217,7 +217,7 @@ def test_no_nvml_library_is_one_line_and_exit_5(tmp_path: Path) -> None:
     if ctypes.util.find_library("nvidia-ml"):
         pytest.skip("a real libnvidia-ml is installed, so 'no library' cannot be staged here")
     empty = FakeNvml(tmp_path)  # a directory without the library
-    done = empty.run(["-m", "perfmon.agent.health", "--json"], None)
+    done = empty.run(["-m", "perfmon.agent.cli", "health", "--json"], None)
     message = ("NVML unavailable (NVML_ERROR_LIBRARY_NOT_FOUND): libnvidia-ml.so.1 not found; "
                "is the NVIDIA driver installed?")
     assert done.returncode == 5

@@ -25,8 +25,10 @@ from typing import Any
 
 import msgpack
 import pytest
-from perfmon.agent import cli, merge, report, top
-from perfmon.agent.summary import read_summary
+from perfmon.agent import console
+from perfmon.agent.record.runs import read_summary_run
+from perfmon.agent.record.summary import read_summary
+from perfmon.agent.views import merge, report, series, top
 from rich.console import Console
 
 from tests import eventlogs
@@ -333,11 +335,11 @@ def test_documents_with_every_field_at_its_edges_or_unknown_render_in_every_view
         path.write_text(json.dumps(doc))
         summary, _ = read_summary(path)
         views: dict[str, Callable[[], object]] = {
-            "report": lambda p=path: report.render_report(report.load_runs(p)),
+            "report": lambda p=path: report.render_report(series.load_report_runs(p)),
             "top": lambda f=folder: Console(file=io.StringIO(), width=200).print(
-                top.frame(top.SummaryReader([f]).jobs(), [f], [])),
-            "merge": lambda p=path, s=summary: merge.merge([(p, s)], "j"),
-            "table": lambda p=path, s=summary: cli.print_summary_table(
+                top.frame(top.newest_jobs(top.SummaryCache([f])), [f], [])),
+            "merge": lambda p=path: merge.merge([read_summary_run(p)], "j"),
+            "table": lambda p=path, s=summary: console.print_summary_table(
                 Console(file=io.StringIO(), width=200), s, p),
         }
         for view, draw in views.items():

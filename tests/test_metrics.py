@@ -1,4 +1,4 @@
-"""Prometheus exposition (perfmon.agent.metrics): the samples the real prometheus_client
+"""Prometheus exposition (perfmon.agent.measure.metrics): the samples the real prometheus_client
 writes, unknown figures left out, finished jobs leaving nothing, the HTTP endpoint and
 its errors, a real Prometheus scraping it (with the rules loaded), promtool on the
 rules, and the dashboard using only metrics the agent defines."""
@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from perfmon.agent.metrics import (
+from perfmon.agent.measure.exposition import STEP_TIME_BUCKETS_S
+from perfmon.agent.measure.metrics import (
     DEFAULT_ADDRESS,
-    STEP_TIME_BUCKETS_S,
     Metrics,
     MetricsAddressError,
     parse_address,

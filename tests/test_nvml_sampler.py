@@ -16,7 +16,8 @@ from tests.fakes.build import FakeNvml, write_scenario
 PRELUDE = """\
 import dataclasses, json, os, time
 from pathlib import Path
-from perfmon.probes.nvml import NvmlSampler, XidEventWatcher, NvmlUnavailable, NoSuchGpu
+from perfmon.probes.nvml import NoSuchGpu, NvmlSampler, NvmlUnavailable
+from perfmon.probes.xid import XidEventWatcher
 
 def dump(obj):
     print(json.dumps(obj, default=lambda o: dataclasses.asdict(o)))

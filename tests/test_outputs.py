@@ -17,9 +17,9 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from perfmon.agent.eventlog import EventLogWriter
-from perfmon.agent.outputs import OutputDir
-from perfmon.agent.summary import rebuild_from_event_log
+from perfmon.agent.record.eventlog import EventLogWriter
+from perfmon.agent.record.outputs import OutputDir
+from perfmon.agent.record.replay import rebuild_from_event_log
 
 from tests import eventlogs
 from tests.conftest import load_summary, wait_for

@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 
 import pytest
-from perfmon.agent.model import Workload
 from perfmon.agent.reducers import Summarizer
+from perfmon.parsers.workload import Workload
 
 MS = 1_000_000
 

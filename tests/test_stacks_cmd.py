@@ -1,4 +1,4 @@
-"""`perfmon-agent stacks` (run as `python -m perfmon.agent.stacks`) on real targets."""
+"""`perfmon-agent stacks` (the real CLI) on real targets."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ NO_SUCH_PID = 2**22 + 1  # above the largest pid_max Linux allows
 
 def _stacks(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "perfmon.agent.stacks", *args],
+        [sys.executable, "-m", "perfmon.agent.cli", "stacks", *args],
         capture_output=True, text=True, timeout=60, check=False,
     )
 

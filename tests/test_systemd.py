@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from perfmon.agent.config import load_config
+from perfmon.agent.daemon.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "perfmon-agent.service"

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from perfmon.agent.summary import rebuild_from_event_log
+from perfmon.agent.record.replay import rebuild_from_event_log
 
 from tests import eventlogs
 from tests.conftest import wait_for

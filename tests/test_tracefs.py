@@ -25,20 +25,13 @@ from pathlib import Path
 import psutil
 import pytest
 from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.trace_pipe import classify_step_name, parse_name_arg, parse_trace_line
 from perfmon.probes import tracefs as tracefs_module
 from perfmon.probes.errors import PrerequisiteMissing
+from perfmon.probes.ftrace import GROUP_PREFIX, buffer_size_kb, remove_stale_probes
 from perfmon.probes.procfs import inspect_process
-from perfmon.probes.tracefs import (
-    GROUP_PREFIX,
-    NAME_LEN_BYTES,
-    TracefsMarkerProbe,
-    buffer_size_kb,
-    check_tracefs_prerequisites,
-    classify_step_name,
-    parse_name_arg,
-    parse_trace_line,
-    remove_stale_probes,
-)
+from perfmon.probes.tracefs import NAME_LEN_BYTES, TracefsMarkerProbe, check_tracefs_prerequisites
+from perfmon.probes.uprobes import STEP_NAME_PREFIXES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -306,10 +299,11 @@ def test_parses_entry_and_return_lines_of_trace_pipe():
     assert (parsed.tid, parsed.tgid, parsed.t_mono_ns, parsed.event) == (
         14748, 14748, 3613_334_020_000, "rf_enter_0")
     assert parse_name_arg(parsed.args) == b"Optimizer.step#AdamW.step"
-    assert classify_step_name(b"Optimizer.step#AdamW.step") == "optimizer_step"
-    assert classify_step_name(b"enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__"
-                              ) == "dataloader_next"
-    assert classify_step_name(b"aten::add") is None
+    assert classify_step_name(b"Optimizer.step#AdamW.step", STEP_NAME_PREFIXES
+                              ) == "optimizer_step"
+    assert classify_step_name(b"enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__",
+                              STEP_NAME_PREFIXES) == "dataloader_next"
+    assert classify_step_name(b"aten::add", STEP_NAME_PREFIXES) is None
     # A comm (16 columns wide) with spaces and dashes, no tgid recorded yet, no
     # irq-info column, and a return probe.
     ret = parse_trace_line(b"   pt-autograd 0-15001   (-------) [000]  12.000007: bw_exit_3: "

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from perfmon.agent.model import Workload
 from perfmon.agent.reducers.cuda import CudaActivity
 from perfmon.agent.reducers.exits import Exits
 from perfmon.agent.reducers.failslow import FailSlow
@@ -33,12 +32,41 @@ from perfmon.agent.reducers.phases import PhaseAccount
 from perfmon.agent.reducers.quality import DataQuality, Hangs
 from perfmon.agent.reducers.ranks import RankTimes
 from perfmon.agent.reducers.resources import Resources
+from perfmon.parsers.workload import Workload
 
-__all__ = ["DEFAULT_MAX_LOG_ENTRIES", "Summarizer"]
+__all__ = ["DEFAULT_MAX_LOG_ENTRIES", "Summarizer", "rank_map"]
+
+
+def rank_map(facts: dict[str, Any]) -> dict[int, int | None]:
+    """pid -> rank of a session's targets (from session_info's pids and ranks)."""
+    pids, ranks = facts.get("pids") or [facts["primary_pid"]], facts.get("ranks") or []
+    return {pid: ranks[i] if i < len(ranks) else None for i, pid in enumerate(pids)
+            if isinstance(pid, int)}
 
 
 class Summarizer:
-    """Feed records (``feed``); read the iteration logs and the final statistics."""
+    """Feed records (``feed``); read the iteration logs and the final statistics.
+
+    Made from a session's facts (``from_facts``) by the live session and by replay
+    alike: the same facts give the same reducers, so live and replayed summaries agree.
+    """
+
+    @classmethod
+    def from_facts(cls, facts: dict[str, Any]) -> Summarizer:
+        """A fresh summarizer for the session that ``facts`` (session_info at start,
+        as the session_start record holds them) describe."""
+        return cls(
+            Workload.from_dict(facts["workload"]),
+            facts["primary_pid"],
+            facts["attach_monotonic_ns"],
+            datetime.fromisoformat(facts["start_time"]).timestamp(),
+            facts["log_interval"],
+            stack_sampling=bool(facts.get("stack_sampling", False)),
+            phases_continuous=facts.get("stack_sampling_mode") != "bursts",
+            cuda_counters=bool((facts.get("cuda") or {}).get("available", False)),
+            max_log_entries=facts.get("iteration_logs_max_entries"),
+            ranks=rank_map(facts),
+        )
 
     def __init__(self, workload: Workload, primary_pid: int, start_t_mono_ns: int,
                  start_wall_s: float, log_interval: int = 10, *, stack_sampling: bool = False,
@@ -182,8 +210,8 @@ class Summarizer:
             "exit": self.exits.summary(),
         }
         if self.clock.job.offset is not None:
-            fields["iteration_numbering"] = (
-                f"the job's own (local variable '{self.clock.job.variable}')")
+            fields["iteration_numbering"] = "job_counter"
+            fields["iteration_counter"] = self.clock.job.variable
         return fields
 
     def final_statistics(self) -> dict[str, Any]:

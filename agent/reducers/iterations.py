@@ -18,8 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from perfmon.agent.model import Workload
 from perfmon.agent.reducers.phases import PhaseAccount
+from perfmon.parsers.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@
 //   ncclDataType_t, from `nccl_dtype_bytes`, filled by user space (a constant
 //   table here would land in .rodata, which bcc 0.26 cannot load).
 //
-// Settings arrive as -D cflags from probes/cuda.py, which owns the counter
-// numbering: N_COUNTERS, one CTR_<NAME> per counter, MAX_TEXT_RANGES,
+// Settings arrive as -D cflags from probes/cuda.py (the counter numbering is
+// probes/cuda_counters.py's): N_COUNTERS, one CTR_<NAME> per counter, MAX_TEXT_RANGES,
 // MAX_TARGETS, MAX_SYNC_THREADS, NCCL_DTYPES, STEP_EVENT_PAGES; and those of
 // step_names.bpf.h.
 

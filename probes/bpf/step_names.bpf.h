@@ -1,7 +1,7 @@
 // Training-step names of PyTorch's record_function, recognised in the kernel.
 // Shared by iterations.bpf.c (step markers) and cuda.bpf.c (counter snapshots
 // at Optimizer.step), which include it with -I<this folder>; user space fills
-// the table with perfmon.probes.uprobes.fill_step_prefixes().
+// the table (perfmon.probes.uprobes, when it loads the program).
 //
 // record_function_enter_new(const std::string& name, const std::optional<std::string>& args)
 // returns a class by value, so the hidden return slot takes the first argument
@@ -12,7 +12,7 @@
 // compiles included files as they are, so nothing here touches a map: the
 // including program looks the table up itself and passes it to classify().
 //
-// Settings arrive as -D cflags (perfmon.probes.uprobes.step_name_cflags()):
+// Settings arrive as -D cflags (made by perfmon.probes.uprobes):
 // PREFIX_WORDS and MAX_PREFIXES (size of the table) and STEP_KIND_OPTIMIZER_STEP
 // (the kind user space gives "Optimizer.step#").
 
@@ -26,7 +26,7 @@
 #define MAX_PREFIXES 4
 #endif
 #ifndef STEP_KIND_OPTIMIZER_STEP
-#error "STEP_KIND_OPTIMIZER_STEP comes from perfmon.probes.uprobes.step_name_cflags()"
+#error "STEP_KIND_OPTIMIZER_STEP comes from the cflags perfmon.probes.uprobes gives"
 #endif
 
 // Name prefixes that mark a step, filled by user space: each is up to

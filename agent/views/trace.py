@@ -1,0 +1,470 @@
+"""`perfmon-agent trace`: an event log (or several: the ranks or nodes of one job) as a
+Chrome / Perfetto trace, in the JSON trace-event format ("traceEvents" object form).
+
+What goes where:
+
+- one process per rank: pid = the rank's pid (a pid seen in an earlier log of the
+  trace, another node's, is moved up by 2^22, above any Linux pid), named
+  ``rank N (pid P)``; its tracks (threads, with made-up tids pid*8+k):
+  ``iterations``: one ``X`` slice per iteration, from the rank's previous
+  iteration end to its end (the ``Optimizer.step`` markers; the first end after
+  attach only opens), named with the job's own number when the agent read it
+  (``iteration 1234``), else the number counted from attach;
+  ``phases (py-spy)``: the ``phase`` records' spans, as slices;
+  ``backward() (uprobes)``: Engine::execute entry to exit;
+  ``hangs``: the time without iterations, and instants when it was detected and
+  when iterations resumed; ``GPU events``: XID, ECC, a GPU lost (instants);
+- counters (``C``) per rank: resident memory, GPU utilization / memory / power of
+  the GPUs the rank uses (NVML samples), CUDA kernel launches, sync wait, NCCL
+  calls and bytes per iteration (differences of the step snapshots, at the start
+  of the iteration they belong to).
+
+Iterations are found with the agent's own rule (perfmon.agent.reducers.
+iterations.IterationClock, one per rank), so the primary rank's slices are the
+iterations the summary counts (``total_iterations - 1``).
+
+Timestamps are the log's CLOCK_MONOTONIC nanoseconds / 1000 (``ts`` in
+microseconds, fractions kept), so the logs of several ranks of one host line up;
+the clock is named in each process's labels and in ``otherData``. Logs of
+different hosts each keep their own clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from perfmon.agent.argtypes import Command
+from perfmon.agent.console import printable, warn
+from perfmon.agent.record.layout import LOG_GLOB, log_parts
+from perfmon.agent.record.outputs import write_user_file
+from perfmon.agent.record.replay import check_facts, replay
+from perfmon.agent.record.runs import find_runs, is_folder_input, is_summary_file
+from perfmon.agent.reducers import rank_map
+from perfmon.agent.reducers.cuda import CudaActivity
+from perfmon.agent.reducers.iterations import IterationClock
+from perfmon.agent.reducers.phases import PhaseAccount
+from perfmon.parsers.errors import InputFileError, PerfmonError
+from perfmon.parsers.gpu_samples import job_gpu_indices
+from perfmon.parsers.workload import Workload
+
+CLOCK = "CLOCK_MONOTONIC"
+PID_SHIFT = 1 << 22  # above PID_MAX_LIMIT: pids of another host's log move up by this
+MAX_NAMED_RANKS = 4096
+GIB = 1 << 30
+MIB = 1 << 20
+
+# Tracks of a rank, as (k, name): tid = pid * 8 + k.
+ITERATIONS, PHASES_TRACK, BACKWARD, HANGS, GPU_EVENTS = 1, 2, 3, 4, 5
+TRACK_NAMES = {ITERATIONS: "iterations", PHASES_TRACK: "phases (py-spy samples)",
+               BACKWARD: "backward() (uprobes)", HANGS: "hangs", GPU_EVENTS: "GPU events"}
+
+TRACE_DESCRIPTION = ("Write an event log (or a folder of them: the ranks or nodes of one job) as "
+                     "a Chrome/Perfetto trace (JSON trace-event format).")
+TRACE_EPILOG = """examples:
+  perfmon-agent trace outputs/logs/perf_monitor/perf_events_20261130_120000.msgpack
+  perfmon-agent trace /shared/job-42/perf_logs/ -o job42.json
+
+Open the file in https://ui.perfetto.dev or chrome://tracing (both load it locally).
+A folder gives one process per rank of every event log in it.
+"""
+
+
+def _us(t_ns: int) -> float:
+    """CLOCK_MONOTONIC ns to the trace's microseconds (a float: sub-us kept)."""
+    return t_ns / 1000
+
+
+@dataclass
+class _Rank:
+    """One rank's state while its log is read."""
+
+    pid: int  # the real pid (the log's)
+    trace_pid: int
+    rank: int | None
+    clock: IterationClock
+    cuda: CudaActivity
+    numbers: array = field(default_factory=lambda: array("q"))
+    starts: array = field(default_factory=lambda: array("q"))
+    ends: array = field(default_factory=lambda: array("q"))
+    backward_open: int | None = None
+    phase_end: int = 0  # the phase track's last slice end (slices never overlap)
+    phase_overlaps: int = 0
+
+    def tid(self, track: int) -> int:
+        return self.trace_pid * 8 + track
+
+
+@dataclass
+class _Process:
+    """A rank's process in the trace, for its metadata events."""
+
+    trace_pid: int
+    name: str
+    host: str
+    sort_index: int
+    labels: str
+    tids: list[int]
+
+
+class TraceBuilder:
+    """Reads event logs into trace events (each kept as its JSON text, so a long log
+    costs its text, not Python objects)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.logs: list[dict[str, Any]] = []  # per log: its facts and what was made of it
+        self.warnings: list[str] = []
+        self.processes: list[_Process] = []
+        self._used_pids: set[int] = set()
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        self.events.append(json.dumps(event, separators=(",", ":"), allow_nan=False))
+
+    # -- one log -------------------------------------------------------------------
+
+    def add_log(self, path: Path) -> None:
+        """Read one event log (all its parts). Raises EventLogError / InputFileError."""
+        try:
+            parts = log_parts(path)
+        except OSError as err:
+            raise InputFileError(f"event log {path}: {err.strerror}") from err
+        state: dict[str, Any] = {}
+
+        def start(first: dict[str, Any]) -> Callable[[dict[str, Any]], object]:
+            facts = first["session"]
+            problem = check_facts(facts, str(parts[0]))
+            if problem is not None:
+                self.warnings.append(problem)
+            state["log"] = _Log(self, facts, parts[0])
+            return state["log"].feed
+
+        warnings, _, last_ns = replay(parts, start)
+        log: _Log = state["log"]
+        log.finish(last_ns)
+        self.warnings += [f"{parts[0]}: {w}" for w in warnings]
+        self.logs.append(log.describe())
+
+    def _trace_pid(self, pid: int) -> int:
+        trace_pid = pid
+        while trace_pid in self._used_pids:
+            trace_pid += PID_SHIFT
+        self._used_pids.add(trace_pid)
+        return trace_pid
+
+    # -- the file ------------------------------------------------------------------
+
+    def document(self) -> bytes:
+        """The trace file's bytes: {"traceEvents": [...], "displayTimeUnit", "otherData"}."""
+        other = {"clock": CLOCK, "ts_unit": "microseconds (CLOCK_MONOTONIC ns / 1000)",
+                 "made_by": "perfmon-agent trace",
+                 "logs": [{k: v for k, v in log.items() if k != "process_names"}
+                          for log in self.logs]}
+        several_hosts = len({p.host for p in self.processes}) > 1
+        for p in self.processes:
+            name = f"{p.name} on {p.host}" if several_hosts else p.name
+            self._emit({"ph": "M", "name": "process_name", "pid": p.trace_pid,
+                        "args": {"name": name}})
+            self._emit({"ph": "M", "name": "process_sort_index", "pid": p.trace_pid,
+                        "args": {"sort_index": p.sort_index}})
+            self._emit({"ph": "M", "name": "process_labels", "pid": p.trace_pid,
+                        "args": {"labels": p.labels}})
+            for tid, (track, track_name) in zip(p.tids, TRACK_NAMES.items(), strict=True):
+                self._emit({"ph": "M", "name": "thread_name", "pid": p.trace_pid, "tid": tid,
+                            "args": {"name": track_name}})
+                self._emit({"ph": "M", "name": "thread_sort_index", "pid": p.trace_pid,
+                            "tid": tid, "args": {"sort_index": track}})
+        self.processes = []  # emitted once
+        head = '{"traceEvents":[\n'
+        tail = ('\n],"displayTimeUnit":"ms","otherData":'
+                + json.dumps(other, separators=(",", ":"), allow_nan=False) + "}\n")
+        return (head + ",\n".join(self.events) + tail).encode()
+
+
+class _Log:
+    """The sink of one log's records."""
+
+    def __init__(self, builder: TraceBuilder, facts: dict[str, Any], path: Path) -> None:
+        self.builder, self.facts, self.path = builder, facts, path
+        self.emit = builder._emit
+        self.attach_ns: int = facts["attach_monotonic_ns"]
+        self.primary_pid: int = facts["primary_pid"]
+        self.host = str(facts.get("host", "?"))
+        self.workload = Workload.from_dict(facts["workload"])
+        self.ranks: dict[int, _Rank] = {}
+        self.gpu_owner: dict[int, int] = {}  # GPU index -> pid of a rank using it
+        self.lost_gpus: set[int] = set()
+        self.hang_open: dict[str, Any] | None = None
+        self.end_ns: int | None = None
+        # The ranks the facts name, up to MAX_NAMED_RANKS (a log may name 100,000): each
+        # a process of the trace even without records; others once they have records.
+        self.rank_numbers = rank_map(facts)
+        for pid in list(self.rank_numbers)[:MAX_NAMED_RANKS]:
+            self._rank(pid)
+        self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
+            "marker": self._on_marker, "phase": self._on_phase, "job_iteration": self._on_read,
+            "cuda": self._on_cuda, "process": self._on_process, "gpu": self._on_gpu,
+            "xid": self._on_gpu_event, "ecc": self._on_gpu_event, "hang": self._on_hang,
+            "hang_recovered": self._on_recovered, "session_end": self._on_end,
+        }
+
+    def _rank(self, pid: int) -> _Rank:
+        found = self.ranks.get(pid)
+        if found is not None:
+            return found
+        clock = IterationClock(self.workload, pid, self.attach_ns, PhaseAccount())
+        r = _Rank(pid, self.builder._trace_pid(pid), self.rank_numbers.get(pid), clock,
+                  CudaActivity(pid))
+        self.ranks[pid] = r
+        return r
+
+    def feed(self, record: dict[str, Any]) -> None:
+        handler = self._handlers.get(record["type"])
+        if handler is not None:
+            handler(record)
+
+    # -- records -------------------------------------------------------------------
+
+    def _on_marker(self, record: dict[str, Any]) -> None:
+        r = self._rank(record["pid"])
+        t, kind = record["t_mono_ns"], record["kind"]
+        if t >= self.attach_ns:
+            if kind == "backward_enter" and r.backward_open is None:
+                r.backward_open = t
+            elif kind == "backward_exit" and r.backward_open is not None:
+                self._slice(r, BACKWARD, "backward()", r.backward_open, t, cat="backward")
+                r.backward_open = None
+        it = r.clock.on_marker(record)
+        if it is None:
+            return
+        start = it.end_t_mono_ns - it.step_time_ns
+        r.numbers.append(it.number)
+        r.starts.append(start)
+        r.ends.append(it.end_t_mono_ns)
+        figures = r.cuda.window(start, it.end_t_mono_ns, 1)
+        r.cuda.prune(start)
+        if figures["cpu_sync_wait_ms"] is None:
+            return
+        ts = _us(start)
+        for name, key, value in (
+                ("CUDA kernel launches / iteration", "launches", figures["kernels_per_iter"]),
+                ("CUDA sync wait / iteration", "ms", figures["cpu_sync_wait_ms"]),
+                ("NCCL calls / iteration", "calls", figures["nccl_calls_per_iter"]),
+                ("NCCL bytes / iteration", "MiB", figures["nccl_bytes_per_iter"] / MIB)):
+            if value is not None:
+                self._counter(r, name, ts, {key: value})
+
+    def _on_read(self, record: dict[str, Any]) -> None:
+        self._rank(record["pid"]).clock.job.on_read(record)
+
+    def _on_cuda(self, record: dict[str, Any]) -> None:
+        self._rank(record["pid"]).cuda.on_snapshot(record)
+
+    def _on_phase(self, record: dict[str, Any]) -> None:
+        r = self._rank(record["pid"])
+        # Stacks are sampled from before the window opens (the iteration probes attach
+        # last): spans are cut to the window.
+        begin = max(record["t_mono_ns"], self.attach_ns)
+        start, end = max(begin, r.phase_end), record["end_mono_ns"]
+        if start > begin:
+            r.phase_overlaps += 1
+        if end <= start:
+            return
+        self._slice(r, PHASES_TRACK, record["phase"], start, end, cat="phase")
+        r.phase_end = end
+
+    def _on_process(self, record: dict[str, Any]) -> None:
+        r = self._rank(record["pid"])
+        self._counter(r, "resident memory", _us(record["t_mono_ns"]),
+                      {"GiB": record["rss_bytes"] / GIB})
+
+    def _on_gpu(self, record: dict[str, Any]) -> None:
+        t, gpus = record["t_mono_ns"], record["gpus"]
+        indices, _ = job_gpu_indices(gpus)
+        for g in gpus:
+            index = g["index"]
+            for pid in g.get("process_memory_bytes") or {}:
+                if int(pid) in self.ranks:
+                    self.gpu_owner.setdefault(index, int(pid))
+            if g.get("lost") and index not in self.lost_gpus:
+                self.lost_gpus.add(index)
+                self._instant(self._owner(index), GPU_EVENTS, f"GPU {index} lost", t,
+                              {"error": g.get("error")})
+        ts = _us(t)
+        for g in gpus:
+            index = g["index"]
+            if index not in indices or g.get("lost"):
+                continue
+            r = self._owner(index)
+            if g.get("utilization_gpu_pct") is not None:
+                self._counter(r, f"GPU {index} utilization", ts, {"%": g["utilization_gpu_pct"]})
+            if g.get("memory_used_bytes") is not None:
+                self._counter(r, f"GPU {index} memory", ts, {"GiB": g["memory_used_bytes"] / GIB})
+            if g.get("power_w") is not None:
+                self._counter(r, f"GPU {index} power", ts, {"W": g["power_w"]})
+
+    def _on_gpu_event(self, record: dict[str, Any]) -> None:
+        index = record["gpu_index"]
+        name = (f"XID {record['xid']} on GPU {index}" if record["type"] == "xid"
+                else f"ECC {record['kind']} x{record['count']} on GPU {index}")
+        args = {k: v for k, v in record.items() if k not in ("type", "t_mono_ns")}
+        self._instant(self._owner(index), GPU_EVENTS, name, record["t_mono_ns"], args)
+
+    def _on_hang(self, record: dict[str, Any]) -> None:
+        args = {"frame": record["frame"], "threshold_s": record["threshold_s"],
+                "report": record["report"]}
+        for r in self.ranks.values():
+            self._instant(r, HANGS, "hang detected", record["t_mono_ns"], args)
+        self.hang_open = record
+
+    def _on_recovered(self, record: dict[str, Any]) -> None:
+        for r in self.ranks.values():
+            self._instant(r, HANGS, "iterations resumed", record["t_mono_ns"], {})
+        self._close_hang(record["t_mono_ns"], recovered=True)
+
+    def _on_end(self, record: dict[str, Any]) -> None:
+        self.end_ns = record["t_mono_ns"]
+
+    def _close_hang(self, t_ns: int, *, recovered: bool) -> None:
+        hang = self.hang_open
+        if hang is None:
+            return
+        self.hang_open = None
+        start = min(hang["last_iteration_mono_ns"], hang["t_mono_ns"])
+        for r in self.ranks.values():
+            self._slice(r, HANGS, "hung: no iteration", start, max(start, t_ns), cat="hang",
+                        args={"frame": hang["frame"], "recovered": recovered})
+
+    # -- events --------------------------------------------------------------------
+
+    def _owner(self, gpu_index: int) -> _Rank:
+        pid = self.gpu_owner.get(gpu_index, self.primary_pid)
+        return self._rank(pid)
+
+    def _slice(self, r: _Rank, track: int, name: str, start_ns: int, end_ns: int, *, cat: str,
+               args: dict[str, Any] | None = None) -> None:
+        self.emit({"ph": "X", "name": name, "cat": cat, "pid": r.trace_pid, "tid": r.tid(track),
+                   "ts": _us(start_ns), "dur": (end_ns - start_ns) / 1000,
+                   **({"args": args} if args else {})})
+
+    def _instant(self, r: _Rank, track: int, name: str, t_ns: int, args: dict[str, Any]) -> None:
+        self.emit({"ph": "i", "s": "t", "name": name, "pid": r.trace_pid, "tid": r.tid(track),
+                   "ts": _us(t_ns), **({"args": args} if args else {})})
+
+    def _counter(self, r: _Rank, name: str, ts: float, values: dict[str, float]) -> None:
+        self.emit({"ph": "C", "name": name, "pid": r.trace_pid, "ts": ts, "args": values})
+
+    # -- the end -------------------------------------------------------------------
+
+    def _name(self, r: _Rank) -> str:
+        rank = r.rank
+        if rank is None and len(self.ranks) == 1 and self.workload.world_size == 1:
+            rank = 0  # a job that is not distributed: its only process is rank 0
+        return f"rank {'?' if rank is None else rank} (pid {r.pid})"
+
+    def finish(self, last_ns: int) -> None:
+        """Close what is open and emit the iteration slices and the metadata."""
+        end_ns = self.end_ns if self.end_ns is not None else last_ns
+        self._close_hang(end_ns, recovered=False)
+        primary = self.ranks[self.primary_pid] if self.primary_pid in self.ranks else None
+        for r in self.ranks.values():
+            r.clock.job.resolve(None)
+        primary_offset = primary.clock.job.offset if primary is not None else None
+        for r in sorted(self.ranks.values(), key=lambda r: (r.rank is None, r.rank or 0, r.pid)):
+            offset, numbering = r.clock.job.offset, None
+            if offset is not None:
+                numbering = f"the job's own (local variable '{r.clock.job.variable}')"
+            elif primary_offset is not None:
+                offset, numbering = primary_offset, "the job's own, as read on the primary rank"
+            else:
+                offset, numbering = 0, "counted from attach"
+            for number, start, end in zip(r.numbers, r.starts, r.ends, strict=True):
+                self._slice(r, ITERATIONS, f"iteration {number + offset}", start, end,
+                            cat="iteration",
+                            args={"iteration": number + offset,
+                                  "step_time_ms": (end - start) / 1e6,
+                                  "start_mono_ns": start, "end_mono_ns": end})
+            if r.phase_overlaps:
+                self.builder.warnings.append(
+                    f"{self.path}: pid {r.pid}: {r.phase_overlaps} phase spans overlapped the "
+                    "one before and were cut to start at its end")
+            self._metadata(r, numbering)
+
+    def _metadata(self, r: _Rank, numbering: str) -> None:
+        self.builder.processes.append(_Process(
+            r.trace_pid, self._name(r), self.host, r.rank if r.rank is not None else 1 << 20,
+            f"host {self.host}, clock {CLOCK} (ts = ns / 1000), iterations numbered "
+            f"{numbering}", [r.tid(track) for track in TRACK_NAMES]))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "event_log": str(self.path), "host": self.host, "primary_pid": self.primary_pid,
+            "attach_monotonic_ns": self.attach_ns,
+            "ranks": [{"pid": r.pid, "trace_pid": r.trace_pid, "rank": r.rank,
+                       "iterations": len(r.numbers)} for r in self.ranks.values()],
+        }
+
+
+def trace_inputs(path: Path) -> list[Path]:
+    """The event logs a LOG_OR_DIR argument names. Raises InputFileError (exit 2)."""
+    if not is_folder_input(path):
+        if is_summary_file(path):
+            raise InputFileError(f"input {path}: a summary, not an event log: the trace needs "
+                                 f"the {LOG_GLOB} beside it")
+        return [path]
+    logs = find_runs(path, 1, summaries=False)
+    if not logs:
+        raise InputFileError(f"folder {path}: no {LOG_GLOB} in it or in its "
+                             "sub-folders")
+    return logs
+
+
+def build_trace(paths: list[Path]) -> TraceBuilder:
+    """Read the logs into one trace (every log's ranks as processes). Among several, a log
+    that cannot be read is skipped with a warning; raises when none can be."""
+    builder = TraceBuilder()
+    errors: list[PerfmonError] = []
+    for path in paths:
+        try:
+            builder.add_log(path)
+        except PerfmonError as err:
+            if len(paths) == 1:
+                raise
+            errors.append(err)
+            builder.warnings.append(f"skipped: {err}")
+    if not builder.logs:
+        raise errors[0]
+    return builder
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the trace command's arguments to a (sub-)parser."""
+    parser.add_argument("source", type=Path, metavar="LOG_OR_DIR",
+                        help="an event log (any part) or a folder of event logs")
+    parser.add_argument("-o", "--output", type=Path, default=Path("trace.json"), metavar="FILE",
+                        help="the trace file to write (default: %(default)s)")
+
+
+def trace_main(args: argparse.Namespace) -> int:
+    """Write the trace; 0 on success. Raises PerfmonError subclasses."""
+    builder = build_trace(trace_inputs(args.source))
+    for line in builder.warnings:
+        warn(line)
+    data = builder.document()
+    write_user_file(args.output, data)
+    ranks = sum(len(log["ranks"]) for log in builder.logs)
+    print(printable(f"trace: {args.output} ({len(builder.logs)} event log"
+                    f"{'s' if len(builder.logs) > 1 else ''}, {ranks} rank"
+                    f"{'s' if ranks > 1 else ''}, {len(builder.events):,} events, "
+                    f"{len(data) / MIB:,.1f} MiB): open it in ui.perfetto.dev or "
+                    "chrome://tracing"))
+    return 0
+
+
+COMMAND = Command("trace", "write event logs as a Chrome/Perfetto trace", add_trace_arguments,
+                  trace_main, description=TRACE_DESCRIPTION, epilog=TRACE_EPILOG)
