@@ -116,6 +116,12 @@ class AttachOptions:
     health_check: bool = _option(
         False, "--health-check",
         "check the GPUs first (as `perfmon-agent health`) and record it in session_info")
+    raw_markers: bool = _option(
+        False, "--raw-markers",
+        "log every collective wait's entry and return (wait_enter/wait_exit markers), not "
+        "only each step's wait totals: a tensor-parallel job makes hundreds a step, so "
+        "by default they are logged only during a suspected hang or a fail-slow window",
+        config=True)
     iteration_source: str = _option(
         "auto", "--iteration-source",
         "uprobe: exact, needs eBPF; pyspy: from stack samples, needs only ptrace; auto: "

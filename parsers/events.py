@@ -6,7 +6,9 @@ one definition for the log, the reducers and the docs (docs/events.md is
 checked against :func:`records_table`). The log is appended as events arrive,
 so a killed agent leaves a log whose last record may be cut short; decoding
 stops cleanly there and says so. Records are read one at a time from a stream
-with a bounded buffer, so a log of any size is read in flat memory.
+with a bounded buffer, so a log of any size is read in flat memory. A log is one
+zstd stream of the records per part (perfmon.agent.record.eventlog; a cut stream
+decodes up to its last whole block), or plain msgpack (older agents' logs).
 
 Record order: the session sorts each poll's records from all sources by
 ``(t_mono_ns, TYPE_ORDER)`` before logging them (see ``sort_key``); replay feeds
@@ -24,8 +26,9 @@ from typing import IO, Any, ClassVar
 
 import msgpack
 from perfmon.parsers.errors import EventLogError
+from perfmon.parsers.log_stream import Decoded, ZstdError, open_log_stream
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 MARKER_KINDS = (
     "optimizer_step",
@@ -78,6 +81,20 @@ class LogPart(Record):
 
     TYPE: ClassVar[str] = "log_part"
     part: int
+
+
+@dataclass(frozen=True)
+class WaitTotals(Record):
+    """A rank's time blocked on collectives so far (cumulative), at an Optimizer.step:
+    the sum over its threads of each one's waits (nested calls once; the stepping
+    thread's open wait ends at the step), and how many ended. Counted in the kernel
+    (bcc) or by the probe (tracefs) and logged once a step, not every wait's entry and
+    return (those are ``wait_*`` markers, only when asked for)."""
+
+    TYPE: ClassVar[str] = "waits"
+    pid: int
+    wait_ns: int
+    waits: int
 
 
 @dataclass(frozen=True)
@@ -234,12 +251,12 @@ class SessionEnd(Record):
 
 
 RECORD_TYPES: tuple[type[Record], ...] = (
-    SessionStart, LogPart, Quality, CudaSnapshot, Marker, JobIteration, Phase,
+    SessionStart, LogPart, Quality, CudaSnapshot, WaitTotals, Marker, JobIteration, Phase,
     ProcessSample, GpuSamples, Xid, Ecc, Hang, HangRecovered, RankExit, SessionEnd,
 )
 BY_TYPE: dict[str, type[Record]] = {cls.TYPE: cls for cls in RECORD_TYPES}
-# Ties in time are ordered by type, as RECORD_TYPES lists them: a CUDA snapshot
-# taken at an Optimizer.step before the marker of that step.
+# Ties in time are ordered by type, as RECORD_TYPES lists them: a CUDA snapshot and
+# the wait totals taken at an Optimizer.step before the marker of that step.
 TYPE_ORDER = {cls.TYPE: rank for rank, cls in enumerate(RECORD_TYPES)}
 
 
@@ -352,7 +369,6 @@ def records_table() -> str:
 MAX_RECORD_BYTES = 16 << 20
 _READ_BYTES = 1 << 20
 
-
 class EventLogReader:
     """Records of one event log part, read from a binary stream one at a time.
 
@@ -368,6 +384,9 @@ class EventLogReader:
     def __init__(self, stream: IO[bytes], source: str, size_bytes: int | None = None) -> None:
         self.source = source
         self.size_bytes = size_bytes
+        # A zstd stream (this agent's logs), else plain msgpack (older agents', tests').
+        opened = open_log_stream(stream)
+        self._decoded = opened if isinstance(opened, Decoded) else None
         self.records = 0
         self.skipped = 0
         self.unknown = 0
@@ -378,7 +397,7 @@ class EventLogReader:
         self.last_t_mono_ns = 0  # the latest time of a record read
         self._position = 0
         self._unpacker = msgpack.Unpacker(
-            stream, raw=False, strict_map_key=False, read_size=_READ_BYTES, use_list=False,
+            opened, raw=False, strict_map_key=False, read_size=_READ_BYTES, use_list=False,
             max_buffer_size=MAX_RECORD_BYTES)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -427,12 +446,13 @@ class EventLogReader:
                 count += 1
                 if count == limit:
                     return False
-        except (msgpack.UnpackException, ValueError) as err:
+        except (msgpack.UnpackException, ValueError, ZstdError) as err:
             if self.first is None:
                 raise EventLogError(f"{self.source}: not a perfmon event log ({err})") from err
             # (a string that is no UTF-8 fails after the decoder has read past it: the
             # offset named is where the last record decoded whole ended)
-            self.corrupt = f"undecodable data after byte {whole}: {err}"
+            where = " of its decoded records" if self._decoded is not None else ""
+            self.corrupt = f"undecodable data after byte {whole}{where}: {err}"
             return True
         finally:
             # Kept in locals while reading (this loop runs once a record).
@@ -441,7 +461,8 @@ class EventLogReader:
             self._position = tell()
         if self.first is None:
             raise EventLogError(f"{self.source}: not a perfmon event log (empty)")
-        if self.size_bytes is not None and self._position < self.size_bytes:
+        size = self._decoded.count if self._decoded is not None else self.size_bytes
+        if size is not None and self._position < size:
             self.tail_cut = True
         return True
 

@@ -83,6 +83,18 @@ def read_proc(pid: int, name: str, binary: bool = False) -> str | bytes:
     return data if binary else data.decode("utf-8", "replace")
 
 
+def thread_group(tid: int) -> int | None:
+    """The process (tgid) of thread ``tid``, from /proc/TID/status; None when it is gone."""
+    try:
+        with open(f"/proc/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def user_name(uid: int) -> str:
     """The name of user ``uid`` on this node (the uid itself where the node has none for
     it, e.g. a container's user)."""

@@ -5,7 +5,8 @@ Measures: exactly what :class:`perfmon.probes.uprobes.MarkerProbe` measures, as 
 ``Optimizer.zero_grad`` and DataLoader ``__next__`` entry (the C++ entry point of
 PyTorch's ``record_function``, whose name is read in the trap) and of every
 ``torch::autograd::Engine::execute`` entry and return (``backward_enter`` /
-``backward_exit``) and of the c10d collective waits (``wait_enter`` / ``wait_exit``).
+``backward_exit``) and the time blocked in c10d collective waits (a ``waits`` record
+a step, from probes.waits; ``wait_enter`` / ``wait_exit`` only with ``set_raw_waits``).
 The probes are dynamic uprobe events written to tracefs'
 ``uprobe_events`` and enabled only in a private tracefs instance whose
 ``trace_clock`` is ``mono``; ``poll()`` reads that instance's ``trace_pipe``
@@ -58,7 +59,7 @@ from perfmon.parsers.elf_symbols import (
     find_function_symbols,
     load_segments,
 )
-from perfmon.parsers.events import Record
+from perfmon.parsers.events import Record, WaitTotals
 from perfmon.parsers.procfs import CAP_SYS_ADMIN, CAP_SYS_PTRACE, missing_capabilities
 from perfmon.parsers.trace_pipe import classify_step_name, parse_name_arg, parse_trace_line
 from perfmon.probes.errors import (
@@ -78,7 +79,7 @@ from perfmon.probes.ftrace import (
     tracefs_write,
     uprobe_events_root,
 )
-from perfmon.probes.procfs import TargetProcess, agent_capabilities
+from perfmon.probes.procfs import TargetProcess, agent_capabilities, thread_group
 from perfmon.probes.sampler import Source
 from perfmon.probes.uprobes import (
     COLLECTIVE_WAIT_SYMBOLS,
@@ -89,6 +90,7 @@ from perfmon.probes.uprobes import (
     open_torch_library,
     step_prefixes,
 )
+from perfmon.probes.waits import WaitAccount
 
 # The name argument of record_function_enter_new(const std::string& name, ...):
 # its class return value takes the first argument register, so the std::string*
@@ -198,7 +200,8 @@ class TracefsMarkerProbe(Source):
     name = "tracefs"
 
     def __init__(self, targets: list[TargetProcess],
-                 step_kinds: tuple[str, ...] = DEFAULT_STEP_KINDS) -> None:
+                 step_kinds: tuple[str, ...] = DEFAULT_STEP_KINDS, *,
+                 raw_waits: bool = False) -> None:
         super().__init__()
         self._prefixes = step_prefixes(step_kinds)
         self.targets = targets
@@ -215,6 +218,9 @@ class TracefsMarkerProbe(Source):
         self._tgids: dict[int, int | None] = {}
         self._stats_read_at = 0.0
         self._owner_pid = os.getpid()
+        self._waits = WaitAccount()  # collective waits, one record a step (probes.waits)
+        self._waits_probed: set[int] = set()
+        self.raw_waits = raw_waits
 
     @property
     def instance_name(self) -> str | None:
@@ -255,6 +261,8 @@ class TracefsMarkerProbe(Source):
             key = (st.st_dev, st.st_ino)
             if key not in points:
                 points[key] = (library, target, *probe_offsets(target, library))
+            if points[key][4]:
+                self._waits_probed.add(target.pid)
             if not points[key][3]:
                 self.warnings.append(
                     f"pid {target.pid} ({target.name}): {target.torch_library} exports no "
@@ -386,12 +394,12 @@ class TracefsMarkerProbe(Source):
             self.warnings.append(f"{_agent()}: reading {self._trace.path}/trace_pipe failed: "
                                  f"{err.strerror}; no more markers")
             return []
-        events = []
+        events: list[Record] = []
         lost = False
         for line in lines:
             event = self._event(line)
             if event is not None:
-                events.append(event)
+                events += self._account(event)
             elif b"[LOST " in line:
                 lost = True
         now = time.monotonic()
@@ -424,19 +432,28 @@ class TracefsMarkerProbe(Source):
         return MarkerEvent(t_mono_ns=parsed.t_mono_ns, pid=tgid, tid=parsed.tid, kind=kind,
                            name=name)
 
+    def _account(self, event: MarkerEvent) -> list[Record]:
+        """What of a marker is logged: a wait's entry and return only while raw waits are
+        asked for (they go into the totals); a step with the totals before it."""
+        t, pid, tid, kind = event.t_mono_ns, event.pid, event.tid, event.kind
+        if kind == "wait_enter":
+            self._waits.enter(tid, t)
+        elif kind == "wait_exit":
+            self._waits.exit(pid, tid, t)
+        elif kind == "optimizer_step" and pid in self._waits_probed:
+            return [WaitTotals(t, pid, *self._waits.step(pid, tid, t)), event]
+        else:
+            return [event]
+        return [event] if self.raw_waits else []
+
+    def set_raw_waits(self, on: bool) -> None:
+        """Every wait's entry and return as a ``wait_*`` marker too, or only the totals."""
+        self.raw_waits = on
+
     def _tgid(self, tid: int) -> int | None:
-        """The process of thread ``tid``, from /proc (cached); None when it is gone."""
+        """The process of thread ``tid`` (cached); None when it is gone."""
         if tid not in self._tgids:
-            tgid = None
-            try:
-                with open(f"/proc/{tid}/status") as f:
-                    for line in f:
-                        if line.startswith("Tgid:"):
-                            tgid = int(line.split()[1])
-                            break
-            except (OSError, ValueError):
-                pass
-            self._tgids[tid] = tgid
+            self._tgids[tid] = thread_group(tid)
         return self._tgids[tid]
 
     def _read_dropped(self) -> None:

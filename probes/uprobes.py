@@ -4,11 +4,14 @@ Measures: the exact CLOCK_MONOTONIC time of every ``Optimizer.step``,
 ``Optimizer.zero_grad`` and DataLoader ``__next__`` entry (PyTorch wraps each
 in a ``record_function`` block, whose C++ entry point we probe) and of every
 ``torch::autograd::Engine::execute`` entry and exit (one per ``backward()``), and
-the entry and exit of the c10d calls that block on a collective (``wait_enter`` /
-``wait_exit``: ``COLLECTIVE_WAIT_SYMBOLS``).
+the time blocked in the c10d calls that wait on a collective
+(``COLLECTIVE_WAIT_SYMBOLS``): accounted in the kernel and carried by each step's
+event (a ``waits`` record), with each entry and return as ``wait_enter`` /
+``wait_exit`` markers only while ``set_raw_waits`` asks for them.
 
 Cost: one uprobe trap per ``record_function`` entry, per ``backward()`` and per
-collective wait in the target, i.e. a handful per training step (a few microseconds each); names
+collective wait in the target (a few microseconds each); what leaves the kernel is
+a handful of events per training step, however many collectives it makes. Names
 that do not mark a step are rejected in the kernel after one 24-byte read.
 Set-up: ~0.5 s of BPF compilation.
 
@@ -30,7 +33,7 @@ from importlib import resources
 from typing import Any
 
 from perfmon.parsers.elf_symbols import ElfError, ElfSymbol, find_function_symbols
-from perfmon.parsers.events import MARKER_KINDS, Marker, Record
+from perfmon.parsers.events import MARKER_KINDS, Marker, Record, WaitTotals
 from perfmon.parsers.procfs import (
     CAP_BPF,
     CAP_PERFMON,
@@ -73,8 +76,9 @@ STEP_NAME_PREFIXES = {
 # ~15 us of CPU, so they are reported only when asked for (step_kinds).
 DEFAULT_STEP_KINDS = ("optimizer_step",)
 _NAME_LEN = 64
-_EVENT_HEAD = struct.Struct("<QIII4x")  # event_t up to its name (iterations.bpf.c)
-DEFAULT_RING_PAGES = 64  # 256 KiB: ~2,900 markers between two polls
+_EVENT_HEAD = struct.Struct("<QIII4xQQ")  # event_t up to its name (iterations.bpf.c)
+_OPTIMIZER_STEP = MARKER_KINDS.index("optimizer_step") + 1
+DEFAULT_RING_PAGES = 64  # 256 KiB: ~2,300 markers between two polls
 _PREFIX_WORDS = 3
 _MAX_PREFIXES = 4
 _BPF_DIR = "bpf"  # in this package: the *.bpf.c programs and step_names.bpf.h
@@ -272,7 +276,8 @@ class MarkerProbe(Source):
     name = "uprobes"
 
     def __init__(self, targets: list[TargetProcess], ring_pages: int = DEFAULT_RING_PAGES,
-                 step_kinds: tuple[str, ...] = DEFAULT_STEP_KINDS) -> None:
+                 step_kinds: tuple[str, ...] = DEFAULT_STEP_KINDS, *,
+                 raw_waits: bool = False) -> None:
         super().__init__()
         self.step_kinds = step_kinds
         if ring_pages < 1 or ring_pages & (ring_pages - 1):
@@ -284,6 +289,8 @@ class MarkerProbe(Source):
         self._bpf: Any = None
         self._raw: list[bytes] = []  # events as the ring buffer delivered them
         self._libraries: dict[int, MappedLibrary] = {}
+        self._waits_probed: set[int] = set()  # pids whose collective waits are accounted
+        self.raw_waits = raw_waits
 
     def _start(self) -> None:
         check_ebpf_prerequisites()
@@ -295,6 +302,8 @@ class MarkerProbe(Source):
             self._bpf = compile_step_program(
                 "iterations.bpf.c", [f"-DNAME_LEN={_NAME_LEN}", f"-DRING_PAGES={self.ring_pages}"],
                 self.step_kinds)
+            # Before the probes: raw waits, when asked for, from the first one on.
+            self._bpf[b"raw_waits"][ctypes.c_int(0)] = ctypes.c_uint32(int(self.raw_waits))
             for target in self.targets:
                 self._attach(target, *symbols[target.pid])
         except Exception:
@@ -323,6 +332,8 @@ class MarkerProbe(Source):
             self._bpf.attach_uretprobe(
                 name=lib, sym=sym.encode(), fn_name=b"on_backward_exit", pid=target.pid
             )
+        if wait:
+            self._waits_probed.add(target.pid)
         for sym in wait:
             # Return first: a call entered between the two attaches then shows only its
             # exit (ignored), never an entry without an exit.
@@ -350,12 +361,22 @@ class MarkerProbe(Source):
         raw, self._raw = self._raw, []
         events: list[Record] = []
         for data in raw:
-            # struct event_t of iterations.bpf.c: u64 t, u32 pid, tid, kind, pad; name.
-            t, pid, tid, kind = _EVENT_HEAD.unpack_from(data)
+            # struct event_t of iterations.bpf.c: u64 t, u32 pid, tid, kind, pad, u64
+            # wait_ns, waits; name.
+            t, pid, tid, kind, wait_ns, waits = _EVENT_HEAD.unpack_from(data)
             name = data[_EVENT_HEAD.size:].split(b"\0", 1)[0].decode("utf-8", "replace")
+            if kind == _OPTIMIZER_STEP and pid in self._waits_probed:
+                events.append(WaitTotals(t, pid, wait_ns, waits))
             events.append(Marker(t, pid, tid, MARKER_KINDS[kind - 1], name))
         self.events += len(events)
         return events
+
+    def set_raw_waits(self, on: bool) -> None:
+        """Every wait's entry and return as a ``wait_*`` marker too (a hang, a fail-slow
+        window, ``--raw-markers``), or only the totals at each step (the default)."""
+        if self._bpf is not None and on != self.raw_waits:
+            self._bpf[b"raw_waits"][ctypes.c_int(0)] = ctypes.c_uint32(int(on))
+        self.raw_waits = on
 
     def quality(self) -> dict[str, Any]:
         return {"events": self.events, "events_dropped": self.dropped}

@@ -6,7 +6,7 @@
 #   scripts/gpu-check.sh            # uses python3; OUT=<dir> keeps the files
 #
 # Needs python3 with torch (CUDA), nvidia-ml-py, psutil, msgpack, PyYAML,
-# jsonschema, rich and py-spy; wheels found in .whl/ are installed into a
+# jsonschema, rich, py-spy and zstandard; wheels found in .whl/ are installed into a
 # private folder first (for machines without a package registry). Without bcc
 # the agent falls back to py-spy for iterations, and says so.
 set -uo pipefail

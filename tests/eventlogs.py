@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgpack
+from perfmon.parsers.events import EventLogReader
 
 START_NS = 10**12  # CLOCK_MONOTONIC of attach
 STEP_NS = 100_000_000  # 100 ms iterations
@@ -227,3 +228,14 @@ def write_node_log(stream: BinaryIO, iterations: int, *, ranks: int = 8,
     end = {"type": "session_end", "t_mono_ns": START_NS + iterations * step_ns,
            "reason": "duration"}
     return total + stream.write(msgpack.packb(end))
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every record of one log part as the agent's reader decodes it (a zstd stream or
+    plain msgpack); fails on undecodable data or records of the wrong shape."""
+    out: list[dict[str, Any]] = []
+    with open(path, "rb") as f:
+        reader = EventLogReader(f, str(path))
+        reader.read_into(out.append)
+    assert reader.corrupt is None and reader.skipped == 0, reader.corrupt or reader.first_problem
+    return out

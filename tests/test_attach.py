@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 
-import msgpack
 import pytest
 
+from tests import eventlogs
 from tests.conftest import load_summary, wait_for
 
 pytestmark = pytest.mark.usefixtures("ebpf")
@@ -143,7 +143,7 @@ def test_summarize_rebuilds_the_summary_of_a_sigkilled_agent(
     assert rebuilt["session_info"]["end_reason"] == "log_truncated"
     assert json.loads(run.stdout) == rebuilt
     # Every record in the log decodes; the live one never held a session_end.
-    records = list(msgpack.Unpacker(open(events, "rb"), raw=False))
+    records = eventlogs.read_records(events)
     assert records[0]["type"] == "session_start"
     assert all(r["type"] != "session_end" for r in records)
 

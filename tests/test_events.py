@@ -35,6 +35,7 @@ def test_every_record_round_trips_and_checks(cls):
         "cuda": {"pid": 1, "at_step": True, "kernel_launches": 7, "sync_wait_ns": 5,
                  "graph_launches": 0, "nccl_calls": {"all_reduce": 1},
                  "nccl_bytes": {"all_reduce": 4096}},
+        "waits": {"pid": 1, "wait_ns": 5_000_000, "waits": 12},
         "marker": {"pid": 1, "tid": 1, "kind": "optimizer_step", "name": "x"},
         "job_iteration": {"end_mono_ns": 2, "pid": 1, "value": 9, "name": "iteration"},
         "phase": {"end_mono_ns": 2, "pid": 1, "phase": "forward"},

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import zstandard
 from perfmon.agent.record.eventlog import EventLogWriter
 from perfmon.agent.record.outputs import OutputDir
 from perfmon.agent.record.replay import rebuild_from_event_log
@@ -159,7 +160,7 @@ def test_json_into_a_closed_pipe_is_quiet(steady_target, out_dir):
 
 def test_event_log_rotates_into_parts_that_summarize_reads_together(tmp_path: Path):
     out = OutputDir.open(tmp_path / "out")
-    writer = EventLogWriter(out, "perf_events_20261130_120000", part_bytes=64 << 10)
+    writer = EventLogWriter(out, "perf_events_20261130_120000", part_bytes=2 << 10)
     for n, record in enumerate(eventlogs.records(3000)):
         writer.append(record)
         if n % 50 == 0:
@@ -169,8 +170,8 @@ def test_event_log_rotates_into_parts_that_summarize_reads_together(tmp_path: Pa
     parts = sorted((tmp_path / "out").iterdir())
     assert len(parts) > 10
     for part in parts:
-        assert part.stat().st_size < (64 << 10) + 1024  # a part ends at the first record past it
-        first = next(iter(msgpack.Unpacker(open(part, "rb"), raw=False)))
+        assert part.stat().st_size < (2 << 10) + 1024  # a part ends at the first block past it
+        first = eventlogs.read_records(part)[0]
         assert first["type"] == ("session_start" if part.name.endswith("0000.msgpack")
                                  else "log_part")
     whole = eventlogs.write_log(tmp_path / "perf_events_20261130_130000.msgpack", 3000)
@@ -275,6 +276,48 @@ def test_a_log_cut_anywhere_rebuilds_up_to_the_cut(tmp_path: Path):
     assert counts == sorted(counts) and counts[-1] > 250
 
 
+def test_the_agents_compressed_log_cut_anywhere_rebuilds_up_to_its_last_whole_block(
+        tmp_path: Path):
+    # As the session writes it: a zstd stream, one block per flush (a second's records).
+    out = OutputDir.open(tmp_path / "out")
+    writer = EventLogWriter(out, "perf_events_20261201_120000")
+    flushes: list[tuple[int, int]] = []  # (file size after a flush, records in it)
+    records = list(eventlogs.records(300, end=False))
+    for n, record in enumerate(records, 1):
+        writer.append(record)
+        if n % 40 == 0:
+            assert writer.flush()
+            flushes.append((os.stat(out.path / writer.name).st_size, n))
+    assert writer.close()
+    out.close()
+    log = tmp_path / "out" / "perf_events_20261201_120000.msgpack"
+    whole = log.read_bytes()
+    assert whole.startswith(b"\x28\xb5\x2f\xfd")  # zstd
+    plain = sum(len(msgpack.packb(r)) for r in records)
+    assert len(whole) < plain / 5, (len(whole), plain)  # records repeat: compressed well
+    decoded = eventlogs.read_records(log)
+    assert [(r["type"], r["t_mono_ns"]) for r in decoded] == [
+        (r["type"], r["t_mono_ns"]) for r in records]
+
+    def rebuilt_from(path: Path) -> dict:
+        summary = rebuild_from_event_log(path).summary
+        return {"info": summary["session_info"]["total_iterations"],
+                "stats": summary["final_statistics"]}
+
+    rng = random.Random(11)
+    for cut in sorted(rng.sample(range(flushes[0][0], len(whole)), 25)):
+        part = tmp_path / f"perf_events_cut{cut}.msgpack"
+        part.write_bytes(whole[:cut])
+        assert rebuild_from_event_log(part).summary["session_info"]["end_reason"] == \
+            "log_truncated"
+        # The same as the records of every block wholly before the cut, as plain msgpack.
+        kept = max(n for size, n in flushes if size <= cut)
+        same = tmp_path / f"perf_events_plain{cut}.msgpack"
+        with open(same, "wb") as f:
+            eventlogs.write(f, iter(records[:kept]))
+        assert rebuilt_from(part) == rebuilt_from(same), cut
+
+
 @pytest.mark.parametrize(("content", "needle"), [
     (msgpack.packb({"type": "session_start", "t_mono_ns": 1, "session": {"log_interval": "x"}}),
      "session facts"),
@@ -284,6 +327,11 @@ def test_a_log_cut_anywhere_rebuilds_up_to_the_cut(tmp_path: Path):
     (b"\xdb\xff\xff\xff\xff" + b"x" * 100, "not a perfmon event log"),  # a 4 GiB string header
     (b"\x91" * 100_000, "not a perfmon event log"),  # arrays nested 100,000 deep
     (b"", "not a perfmon event log"),
+    # A zstd stream asking for a 128 MiB window: refused, not given the memory.
+    (zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+        3, window_log=27, write_content_size=False)).compressobj().compress(msgpack.packb(
+            {"type": "session_start", "t_mono_ns": 1, "session": {}}) * 100_000),
+     "too much memory"),
 ])
 def test_logs_that_are_not_event_logs_are_one_line(tmp_path: Path, content: bytes, needle: str):
     log = tmp_path / "perf_events_bogus.msgpack"

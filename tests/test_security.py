@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import msgpack
 import pytest
 
 from tests import eventlogs
@@ -157,7 +156,7 @@ def everything_written(out_dir: Path, run: subprocess.CompletedProcess) -> str:
         if path.is_file():
             data = path.read_bytes()
             if path.suffix == ".msgpack":
-                parts += [repr(r) for r in msgpack.Unpacker(open(path, "rb"), raw=False)]
+                parts += [repr(r) for r in eventlogs.read_records(path)]
             parts.append(data.decode("utf-8", "replace"))
     return "\n".join(parts)
 

@@ -232,7 +232,7 @@ def test_twenty_fake_jobs_of_one_user_leave_slots_for_another_users_job(
              "the other twelve to wait")
     time.sleep(2 * SCAN_S)
     assert sum(attach_line(service, p.pid) for p in fakes) == 8
-    job = alice.python("--train-iters", "200", env={})
+    job = alice.python("--train-iters", "400", env={})
     wait_for(lambda: "libtorch_cpu" in open(f"/proc/{job.pid}/maps").read(), 60,
              "A's job to load PyTorch", interval_s=0.05)
     loaded_s = time.monotonic()

@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import msgpack
-
 from tests import eventlogs
 from tests.conftest import load_summary
 from tests.test_report import node_log, shifted
@@ -73,7 +71,7 @@ def test_trace_of_a_real_session_has_an_iteration_slice_per_measured_iteration(
     # One slice per measured iteration, end to end, at the markers' own times.
     iterations = _track(events, target.pid, "iterations")
     assert len(iterations) == info["total_iterations"] - 1 > 50
-    records = list(msgpack.Unpacker(open(log, "rb"), raw=False, strict_map_key=False))
+    records = eventlogs.read_records(log)
     ends = [r["t_mono_ns"] for r in records if r["type"] == "marker"
             and r["kind"] == "optimizer_step" and r["pid"] == target.pid
             and info["attach_monotonic_ns"] <= r["t_mono_ns"]]

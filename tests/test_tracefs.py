@@ -40,7 +40,6 @@ PROBE = r"""
 import sys
 sys.modules["bcc"] = None  # `import bcc` raises ImportError from here on
 import json, time
-from dataclasses import asdict
 from perfmon.probes.procfs import inspect_process
 from perfmon.probes.tracefs import TracefsMarkerProbe
 
@@ -62,7 +61,7 @@ def drain():
     events = probe.poll()
     max_poll_s = max(max_poll_s, time.perf_counter() - began)
     for event in events:
-        print(json.dumps({"type": "marker", **asdict(event)}), flush=True)
+        print(json.dumps(event.to_record()), flush=True)
 
 while time.monotonic() < end:
     drain()

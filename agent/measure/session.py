@@ -34,6 +34,7 @@ from perfmon.agent.measure.model import (
 )
 from perfmon.agent.measure.observer import SessionObserver
 from perfmon.agent.measure.sources import (
+    MarkerSource,
     host_can_probe,
     open_cuda_source,
     open_exit_source,
@@ -121,6 +122,7 @@ class _Live:
     facts: dict[str, Any]
     hangs: HangWatch
     budget: CpuBudget
+    markers: MarkerSource | None = None  # the uprobe source (None: py-spy mode)
     quality: dict[str, dict[str, Any]] = field(default_factory=dict)  # last logged, per source
 
 
@@ -222,6 +224,7 @@ class MonitorSession:
             stack.callback(dumps.close)
             live = self._begin(out, targets, sources, stacks=stacks, workload=workload,
                                facts_extra=facts_extra, dumps=dumps)
+            live.markers = probe
             for record in first_gpu_records:
                 self._log(live, record.to_record())
             # bcc's compiler has freed what it used: back to the system, or a service
@@ -299,10 +302,14 @@ class MonitorSession:
                 if recovered is not None:
                     self._log(live, recovered.to_record())
                     completed = True
-                # Continuous stack samples while a hang is suspected, and after a
-                # fail-slow event until samples show which phase moved.
-                live.budget.update(now, live.hangs.suspected(summarizer, now)
-                                   or summarizer.failslow.wants_samples(now))
+                # Continuous stack samples (and every collective wait logged) while a
+                # hang is suspected, and after a fail-slow event until samples show
+                # which phase moved.
+                closer_look = (live.hangs.suspected(summarizer, now)
+                               or summarizer.failslow.wants_samples(now))
+                live.budget.update(now, closer_look)
+                if live.markers is not None:
+                    live.markers.set_raw_waits(opts.raw_markers or closer_look)
                 if (completed and now >= next_write) or now >= next_refresh:
                     self._write(live)
                     spent = SUMMARY_WRITE_BUDGET * (monotonic_ns() - now)

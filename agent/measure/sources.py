@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 from perfmon.parsers.errors import PerfmonError
 from perfmon.probes.cuda import CudaSource
@@ -79,9 +79,12 @@ def host_can_probe(options: AttachOptions, warn: Callable[[str], None]) -> bool:
     return False
 
 
+MarkerSource: TypeAlias = MarkerProbe | TracefsMarkerProbe  # the uprobe backends
+
+
 def open_iteration_source(options: AttachOptions, targets: list[TargetProcess],
                           stack: ExitStack, warn: Callable[[str], None], can_probe: bool
-                          ) -> tuple[Source | None, str]:
+                          ) -> tuple[MarkerSource | None, str]:
     """The started uprobe source and its name ("bcc"/"tracefs"), or (None, "pyspy").
 
     ``can_probe``: what host_can_probe said, before any process was read.
@@ -93,8 +96,11 @@ def open_iteration_source(options: AttachOptions, targets: list[TargetProcess],
         cls, check = BACKENDS[name]
         try:
             check()
-            probe = started(stack, MarkerProbe(targets, options.ring_pages) if cls is MarkerProbe
-                            else cls(targets), warn)
+            raw = options.raw_markers
+            probe: MarkerSource = (MarkerProbe(targets, options.ring_pages, raw_waits=raw)
+                                   if cls is MarkerProbe
+                                   else TracefsMarkerProbe(targets, raw_waits=raw))
+            started(stack, probe, warn)
         except UNAVAILABLE as err:
             failures.append((name, err))
             continue

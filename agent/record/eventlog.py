@@ -1,8 +1,12 @@
-"""Append-only msgpack event log in numbered parts, flushed at least once a second.
+"""Append-only event log in numbered parts: msgpack records in one zstd stream per part,
+flushed as a complete block at least once a second.
 
 Every record the session sees is appended as it arrives, so an agent killed
-with SIGKILL loses at most the last second; ``perfmon-agent summarize`` rebuilds
-the summary from what is left (see perfmon.parsers.events for the records).
+with SIGKILL loses at most the last second: every flush ends a zstd block, and a
+stream cut anywhere decodes up to its last whole block. ``perfmon-agent summarize``
+rebuilds the summary from what is left (see perfmon.parsers.events for the records
+and the reading). Records repeat themselves (the same pids, kinds and names, times a
+step apart), so compressed they take a few bytes each.
 
 Parts: the log starts as ``perf_events_<ts>.msgpack``; once a part holds
 ``part_bytes`` (default 256 MiB) the next record goes to
@@ -11,9 +15,10 @@ Parts: the log starts as ``perf_events_<ts>.msgpack``; once a part holds
 ``summarize`` reads the parts of one log together.
 
 Write failures (a full disk or quota, a filesystem gone read-only) never stop
-the session: records wait in memory (up to ``backlog_bytes``, then the oldest
-are dropped and counted) and every flush tries again; ``error`` says what
-failed last, ``dropped_records`` what was lost.
+the session: records wait in memory uncompressed (up to ``backlog_bytes``, then the
+oldest are dropped and counted; a block already compressed is never dropped, as
+the stream's later blocks refer to it) and every flush tries again; ``error`` says
+what failed last, ``dropped_records`` what was lost.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections import deque
 from typing import Any
 
 import msgpack
+import zstandard
 from perfmon.agent.record.layout import log_part
 from perfmon.agent.record.outputs import WRITE_ERRNOS, OutputDir
 from perfmon.probes.sampler import monotonic_ns
@@ -30,6 +36,11 @@ from perfmon.probes.sampler import monotonic_ns
 FLUSH_INTERVAL_NS = 1_000_000_000
 DEFAULT_PART_BYTES = 256 << 20
 DEFAULT_BACKLOG_BYTES = 64 << 20
+# zstd level 9 with a 4 MiB window (a second of records is a few KiB: level 9 costs
+# nothing here and finds ~15% more than level 3); readers refuse larger windows
+# (perfmon.parsers.log_stream.MAX_ZSTD_WINDOW_BYTES), so a crafted log cannot make them
+# allocate more.
+_ZSTD = zstandard.ZstdCompressionParameters.from_level(9, window_log=22)
 
 
 class EventLogWriter:
@@ -50,10 +61,15 @@ class EventLogWriter:
         self._fd = out.create_append(log_part(stem, 0))
         self._part_size = 0
         self._packer = msgpack.Packer()
-        self._pending: deque[bytes] = deque()  # packed records not yet written
+        self._pending: deque[bytes] = deque()  # packed records not yet compressed
         self._pending_bytes = 0
-        self._written_of_first = 0  # bytes of _pending[0] already in the file
+        self._stream = self._new_stream()
+        self._out = b""  # compressed, not yet written: written before anything else
         self._last_flush_ns = monotonic_ns()
+
+    @staticmethod
+    def _new_stream() -> zstandard.ZstdCompressionObj:
+        return zstandard.ZstdCompressor(compression_params=_ZSTD).compressobj()
 
     @property
     def name(self) -> str:
@@ -63,13 +79,9 @@ class EventLogWriter:
         packed = self._packer.pack(record)
         self._pending.append(packed)
         self._pending_bytes += len(packed)
-        # Bounded while the disk refuses: drop whole records, oldest first (never
-        # the one partly written already).
+        # Bounded while the disk refuses: drop whole records, oldest first.
         while self._pending_bytes > self.backlog_bytes and len(self._pending) > 1:
-            index = 1 if self._written_of_first else 0
-            dropped = self._pending[index]
-            del self._pending[index]
-            self._pending_bytes -= len(dropped)
+            self._pending_bytes -= len(self._pending.popleft())
             self.dropped_records += 1
 
     def flush_if_due(self, now_ns: int | None = None) -> None:
@@ -82,17 +94,18 @@ class EventLogWriter:
         """Write what is buffered; False (with ``error`` set) when the disk refused."""
         self._last_flush_ns = monotonic_ns()
         try:
-            while self._pending:
-                if self._written_of_first == 0 and self._part_size >= self.part_bytes:
-                    self._next_part()
-                head = self._pending[0]
-                written = os.write(self._fd, memoryview(head)[self._written_of_first:])
+            while self._out or self._pending:
+                if not self._out:
+                    if self._part_size >= self.part_bytes:
+                        self._next_part()
+                    # One complete block: what a reader decodes if the agent dies now.
+                    self._out = (self._stream.compress(b"".join(self._pending))
+                                 + self._stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+                    self._pending.clear()
+                    self._pending_bytes = 0
+                written = os.write(self._fd, self._out)
                 self._part_size += written
-                self._written_of_first += written
-                if self._written_of_first == len(head):
-                    self._pending.popleft()
-                    self._pending_bytes -= len(head)
-                    self._written_of_first = 0
+                self._out = self._out[written:]
         except OSError as err:
             if err.errno not in WRITE_ERRNOS:
                 raise
@@ -103,14 +116,26 @@ class EventLogWriter:
 
     def _next_part(self) -> None:
         fd = self.out.create_append(log_part(self.stem, self.part + 1))
-        os.fsync(self._fd)
+        try:
+            self._end_stream()
+            os.fsync(self._fd)
+        except OSError:
+            pass  # readers do without the frame's end; the next part is what matters
         os.close(self._fd)
         self._fd, self._part_size = fd, 0
+        self._stream = self._new_stream()
         self.part += 1
         marker = self._packer.pack({"type": "log_part", "t_mono_ns": monotonic_ns(),
                                     "part": self.part})
         self._pending.appendleft(marker)
         self._pending_bytes += len(marker)
+
+    def _end_stream(self) -> None:
+        """The zstd frame's end (a few bytes; readers do without it: a killed agent's
+        stream has none). Raises OSError."""
+        end = self._stream.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH)
+        while end:
+            end = end[os.write(self._fd, end):]
 
     def close(self) -> bool:
         """Flush, fsync and close; False when records could not be written."""
@@ -118,6 +143,8 @@ class EventLogWriter:
             return self.error is None
         ok = self.flush()
         try:
+            if ok:
+                self._end_stream()
             os.fsync(self._fd)
         except OSError as err:
             if err.errno not in WRITE_ERRNOS:

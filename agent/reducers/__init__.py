@@ -101,6 +101,7 @@ class Summarizer:
         phase_feed = self.phases.feed_phase
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
             "marker": self._on_marker,
+            "waits": self.ranks.on_waits,
             "phase": lambda r: phase_feed(r) if r["pid"] == primary else None,
             "process": self._on_process,
             "gpu": self.resources.on_gpu,

@@ -3,15 +3,19 @@
 In a synchronous job every rank shows the same step time: a slow rank makes the
 others wait in the collectives. So each rank's step is split into the time it was
 blocked waiting (``wait``: inside c10d ``Work::wait`` or DDP's
-``Reducer::finalize_backward``, from the ``wait_enter``/``wait_exit`` markers,
-plus the CUDA synchronising calls of its ``cuda`` step snapshots) and the rest
-(``compute = step - wait``). A straggler is the rank whose compute stands out.
+``Reducer::finalize_backward``, plus the CUDA synchronising calls of its ``cuda``
+step snapshots) and the rest (``compute = step - wait``). A straggler is the rank
+whose compute stands out.
 
 Iteration ends per rank follow the iteration clock's rule (an ``optimizer_step``
-after a ``backward()``, every step when no backward was seen). Wait is the union
-over the rank's threads (a nested or concurrent wait counts once); a wait open at
-an iteration end is split there; a thread that steps the optimizer is in no wait
-(a wait whose exit was lost ends there).
+after a ``backward()``, every step when no backward was seen). The collective wait
+of an iteration is the difference of the rank's ``waits`` totals at its two ends
+(the probes add each thread's wait, nested calls once, when it returns; the thread
+stepping the optimizer is in no wait, so a wait whose return was lost ends there).
+A log without ``waits`` records (an older agent's) gives it from the
+``wait_enter``/``wait_exit`` markers: the union over the rank's threads (a nested or
+concurrent wait counts once), a wait open at an iteration end split there. Either
+way the wait counted in an iteration is at most its step.
 
 The straggler rule (``StragglerRule``), evaluated every ``every`` (10) iterations of
 the primary rank on each rank's last ``window`` (50) iterations: with c_r the median
@@ -65,6 +69,8 @@ class _Rank:
     open_since: int = 0  # union of waits: since when some thread waits
     wait_pending_ns: int = 0  # wait in the iteration in progress
     cuda_sync_ns: int | None = None  # the last step snapshot's cumulative sync wait
+    waits_ns: int | None = None  # the latest ``waits`` total (None: none seen, markers count)
+    waits_at_end_ns: int | None = None  # ... at the last iteration end
     # (end, step, wait) of the last iterations; sums over all and since the last interval
     # (enough for the minute around a fail-slow change at 15 ms steps)
     recent: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=4096))
@@ -119,6 +125,8 @@ class RankTimes:
             return
         # (every marker of every rank comes here: no call for the usual case)
         r, kind = self._ranks.get(record["pid"]) or self._rank(record["pid"]), record["kind"]
+        if kind in ("wait_enter", "wait_exit") and r.waits_ns is not None:
+            return  # raw waits beside the totals (asked for): already in them
         if kind == "wait_enter":
             depth = r.depth.get(record["tid"], 0)
             r.depth[record["tid"]] = depth + 1
@@ -153,6 +161,14 @@ class RankTimes:
         if r.open_threads == 0:
             r.wait_pending_ns += t - r.open_since
 
+    def on_waits(self, record: dict[str, Any]) -> None:
+        """A rank's running wait total, logged just before its Optimizer.step marker."""
+        r = self._rank(record["pid"])
+        if r.waits_ns is None:  # from now on the totals count, not the markers
+            r.depth.clear()
+            r.open_threads = 0
+        r.waits_ns = record["wait_ns"]
+
     def on_cuda(self, record: dict[str, Any]) -> None:
         if not record.get("at_step"):
             return
@@ -171,6 +187,10 @@ class RankTimes:
         if r.open_threads:  # a wait open across the end: split there
             r.wait_pending_ns += t - r.open_since
             r.open_since = t
+        if r.waits_ns is not None:
+            if r.waits_at_end_ns is not None and r.waits_ns >= r.waits_at_end_ns:
+                r.wait_pending_ns += r.waits_ns - r.waits_at_end_ns
+            r.waits_at_end_ns = r.waits_ns
         previous, r.last_end = r.last_end, t
         wait, r.wait_pending_ns = r.wait_pending_ns, 0
         if previous is None:

@@ -3,8 +3,16 @@
 // Only the few record_function names that mark a training step leave the
 // kernel; every other record_function call returns after one short compare
 // (step_names.bpf.h reads and classifies the name). Engine::execute (one call
-// per backward()) is counted at entry and exit, and so are the c10d calls that block
-// on a collective (the wait_* events).
+// per backward()) is counted at entry and exit.
+//
+// The c10d calls that block on a collective (Work::wait, DDP's finalize_backward) are
+// accounted here, not sent out: a tensor-parallel job makes hundreds a step. Each
+// thread's wait (nested calls once) is added to its process's running total when it
+// returns, and every Optimizer.step event carries the totals (wait_ns, waits); the
+// thread stepping the optimizer is in no wait (a wait whose return was lost ends
+// there). With raw_waits[0] set (asked for, or a hang or a fail-slow window) each
+// entry and return also leaves the kernel as a wait_* event, stamped with the same
+// time the totals use.
 //
 // Settings arrive as -D cflags: NAME_LEN (bytes of the name copied out),
 // RING_PAGES (the ring buffer's size), and those of step_names.bpf.h.
@@ -33,7 +41,20 @@ struct event_t {
     u32 tid;
     u32 kind;
     u32 _pad;
+    u64 wait_ns;        // EV_OPTIMIZER_STEP: the process's waits so far (total, count)
+    u64 waits;
     char name[NAME_LEN];
+};
+
+struct wait_thread {
+    u32 depth;          // nested waits open
+    u32 _pad;
+    u64 since;          // when the outermost began
+};
+
+struct wait_total {
+    u64 ns;             // added by every thread of the process: atomics
+    u64 count;
 };
 
 #ifndef RING_PAGES
@@ -42,6 +63,10 @@ struct event_t {
 BPF_RINGBUF_OUTPUT(events, RING_PAGES);  // a power of two pages
 BPF_ARRAY(dropped, u64, 1);              // ring buffer full: counted, reported by user space
 BPF_PERCPU_ARRAY(scratch, struct event_t, 1);
+// Only a thread itself touches its entry; a training process has a few dozen threads.
+BPF_HASH(wait_threads, u32, struct wait_thread, 65536);
+BPF_HASH(wait_totals, u32, struct wait_total, 4096);  // tgid
+BPF_ARRAY(raw_waits, u32, 1);                        // 1: wait_* events leave the kernel
 
 static __always_inline void emit(struct event_t *ev)
 {
@@ -53,19 +78,47 @@ static __always_inline void emit(struct event_t *ev)
     }
 }
 
-static __always_inline struct event_t *fresh_event(u32 kind)
+static __always_inline struct event_t *fresh_event(u32 kind, u64 t)
 {
     int zero = 0;
     struct event_t *ev = scratch.lookup(&zero);
     if (!ev)
         return 0;
     u64 id = bpf_get_current_pid_tgid();
-    ev->t_mono_ns = bpf_ktime_get_ns();
+    ev->t_mono_ns = t;
     ev->pid = id >> 32;
     ev->tid = (u32)id;
     ev->kind = kind;
     ev->_pad = 0;
+    ev->wait_ns = 0;
+    ev->waits = 0;
     return ev;
+}
+
+static __always_inline void add_wait(u32 pid, u64 ns)
+{
+    struct wait_total zero = {};
+    struct wait_total *total = wait_totals.lookup_or_try_init(&pid, &zero);
+    if (total) {
+        __sync_fetch_and_add(&total->ns, ns);
+        __sync_fetch_and_add(&total->count, 1);
+    }
+}
+
+// The stepping thread's open wait ends at the step; the event gets the totals.
+static __always_inline void step_waits(struct event_t *ev)
+{
+    u32 tid = ev->tid, pid = ev->pid;
+    struct wait_thread *w = wait_threads.lookup(&tid);
+    if (w && w->depth) {
+        w->depth = 0;
+        add_wait(pid, ev->t_mono_ns - w->since);
+    }
+    struct wait_total *total = wait_totals.lookup(&pid);
+    if (total) {
+        ev->wait_ns = total->ns;
+        ev->waits = total->count;
+    }
 }
 
 int on_record_function_enter(struct pt_regs *ctx)
@@ -79,18 +132,19 @@ int on_record_function_enter(struct pt_regs *ctx)
     u32 kind = classify(prefixes.lookup(&zero), head);
     if (!kind)
         return 0;
-    struct event_t *ev = fresh_event(kind);
+    struct event_t *ev = fresh_event(kind, t);
     if (!ev)
         return 0;
-    ev->t_mono_ns = t;
+    if (kind == EV_OPTIMIZER_STEP)
+        step_waits(ev);
     bpf_probe_read_user_str(&ev->name, sizeof(ev->name), data);
     emit(ev);
     return 0;
 }
 
-static __always_inline int emit_unnamed(u32 kind)
+static __always_inline int emit_unnamed(u32 kind, u64 t)
 {
-    struct event_t *ev = fresh_event(kind);
+    struct event_t *ev = fresh_event(kind, t);
     if (ev) {
         ev->name[0] = 0;
         emit(ev);
@@ -98,24 +152,48 @@ static __always_inline int emit_unnamed(u32 kind)
     return 0;
 }
 
+static __always_inline int raw_waits_on(void)
+{
+    int zero = 0;
+    u32 *on = raw_waits.lookup(&zero);
+    return on && *on;
+}
+
 int on_backward_enter(struct pt_regs *ctx)
 {
-    return emit_unnamed(EV_BACKWARD_ENTER);
+    return emit_unnamed(EV_BACKWARD_ENTER, bpf_ktime_get_ns());
 }
 
 int on_backward_exit(struct pt_regs *ctx)
 {
-    return emit_unnamed(EV_BACKWARD_EXIT);
+    return emit_unnamed(EV_BACKWARD_EXIT, bpf_ktime_get_ns());
 }
 
-// A thread blocked on a collective (c10d Work::wait, DDP's Reducer::finalize_backward):
-// a few per step, so each entry and return leaves the kernel.
+// A thread blocked on a collective (c10d Work::wait, DDP's Reducer::finalize_backward).
 int on_wait_enter(struct pt_regs *ctx)
 {
-    return emit_unnamed(EV_WAIT_ENTER);
+    u64 t = bpf_ktime_get_ns();
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct wait_thread zero = {};
+    struct wait_thread *w = wait_threads.lookup_or_try_init(&tid, &zero);
+    if (w) {
+        if (w->depth == 0)
+            w->since = t;
+        w->depth += 1;
+    }
+    return raw_waits_on() ? emit_unnamed(EV_WAIT_ENTER, t) : 0;
 }
 
 int on_wait_exit(struct pt_regs *ctx)
 {
-    return emit_unnamed(EV_WAIT_EXIT);
+    u64 t = bpf_ktime_get_ns();
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    struct wait_thread *w = wait_threads.lookup(&tid);
+    if (w && w->depth) {  // else entered before the probes were attached
+        w->depth -= 1;
+        if (w->depth == 0)
+            add_wait(id >> 32, t - w->since);
+    }
+    return raw_waits_on() ? emit_unnamed(EV_WAIT_EXIT, t) : 0;
 }

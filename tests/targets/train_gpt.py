@@ -100,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep no integer iteration counter in a local variable")
     p.add_argument("--ddp", action="store_true",
                    help="DistributedDataParallel over gloo (under torchrun: RANK, WORLD_SIZE...)")
+    p.add_argument("--tp-collectives", type=int, default=0,
+                   help="this many small all-reduces per forward, spread over the layers, as "
+                        "tensor parallelism makes them (under torchrun; gloo)")
     p.add_argument("--exit-code", type=int, default=0, help="exit with this after training")
     p.add_argument("--slow-ranks", default="",
                    help="comma-separated ranks whose forward is slowed by --slow-ms ('all')")
@@ -141,6 +144,25 @@ def slowed(args: argparse.Namespace, rank: int, iteration: int, elapsed_s: float
     return args.slow_ranks == "all" or str(rank) in args.slow_ranks.split(",")
 
 
+def add_tp_collectives(model: nn.Module, count: int) -> None:
+    """``count`` small all-reduces per forward, after each layer's compute, as a
+    tensor-parallel layer reduces its partial results (each blocks in c10d Work::wait)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    partial = torch.zeros(256)
+
+    def reduce(per_block: int) -> None:
+        for _ in range(per_block):
+            dist.all_reduce(partial)
+
+    for i, block in enumerate(blocks):
+        per_block = count // len(blocks) + (1 if i < count % len(blocks) else 0)
+        block.register_forward_hook(lambda _m, _i, _o, n=per_block: reduce(n))
+
+
 def train(args: argparse.Namespace) -> None:
     if args.model_name_or_path:
         apply_hf_config(args)
@@ -156,11 +178,14 @@ def train(args: argparse.Namespace) -> None:
     slow = {"s": 0.0}
     if args.slow_ms or args.slow_factor:
         model.register_forward_pre_hook(lambda _m, _i: busy_wait(slow["s"]) if slow["s"] else None)
+    if args.tp_collectives:
+        add_tp_collectives(model, args.tp_collectives)
     if args.ddp:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        dist.init_process_group("gloo")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
         model = DistributedDataParallel(model)
     optimizer = (torch.optim.SGD(model.parameters(), lr=1e-3) if args.optimizer == "sgd"
                  else torch.optim.AdamW(model.parameters(), lr=3e-4))
@@ -209,8 +234,18 @@ def train(args: argparse.Namespace) -> None:
     if args.after_train == "sleep":
         while True:
             time.sleep(3600)
+    end_process_group()
     if args.exit_code:
         sys.exit(args.exit_code)
+
+
+def end_process_group() -> None:
+    """Destroy the process group before exiting, as a job should: gloo's threads left
+    running at interpreter exit can abort the process (SIGABRT) after training ended."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def loop(args, model, optimizer, batches, stamps, device) -> None:
