@@ -70,7 +70,7 @@ from perfmon.probes.procfs import (
 from perfmon.probes.sampler import Source, monotonic_ns
 from perfmon.probes.stacks import StackSource
 
-POLL_INTERVAL_S = 0.2  # the ring buffer holds ~2,900 markers: 14,000 a second
+POLL_INTERVAL_S = 0.2  # the ring buffer holds ~2,300 markers: 11,500 a second
 LIVENESS_INTERVAL_NS = 500_000_000
 # The summary is rewritten when a log interval completes, but not more often
 # than every 5 s, and at least every 15 s so a long interval (or a stalled job)
