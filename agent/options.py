@@ -27,7 +27,7 @@ from perfmon.agent.argtypes import (
     power_of_two,
     regex,
 )
-from perfmon.agent.record.eventlog import DEFAULT_PART_BYTES
+from perfmon.agent.record.eventlog import DEFAULT_MAX_BYTES, DEFAULT_PART_BYTES
 from perfmon.agent.reducers import DEFAULT_MAX_LOG_ENTRIES
 from perfmon.parsers.peak_tflops import DTYPES
 from perfmon.probes.cuda import LAUNCH_MODES
@@ -96,6 +96,12 @@ class AttachOptions:
         DEFAULT_PART_BYTES, "--event-log-part-mib",
         "start a new event log part after this many MiB (default: %(default)s)",
         type=positive_int, metavar="MIB", unit=MIB)
+    event_log_max_bytes: int = _option(
+        DEFAULT_MAX_BYTES, "--event-log-max-mib",
+        "cap on the event log's parts together: beyond it the oldest parts are rewritten "
+        "coarser (every iteration kept, samples one a minute; the summary says so) "
+        "(default: %(default)s)", type=positive_int, metavar="MIB", unit=MIB, config=True,
+        schema={"minimum": MIB})
     log_interval: int = _option(10, "--log-interval",
                                 "iterations per iteration_logs entry (default: %(default)s)",
                                 type=positive_int, metavar="N", config=True,

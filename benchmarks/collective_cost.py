@@ -1,6 +1,8 @@
 """What the agent costs on jobs with many collectives, and what it writes: a
 tensor-parallel-style job (torchrun, gloo, 2 ranks, --tp-collectives small
-all-reduces per forward) and the DDP job the tests run.
+all-reduces per forward), an FSDP job (the same model, fully_shard per block: an
+all-gather per block forward and backward, a reduce-scatter per block) and the DDP job
+the tests run.
 
 For each job and uprobe backend it alternates rounds: the agent attached at its
 defaults for --seconds, then detached for --seconds. It reports, as medians over the
@@ -133,12 +135,13 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=30.0, help="length of each round")
     p.add_argument("--rounds", type=int, default=3, help="attached/detached pairs")
-    p.add_argument("--jobs", default="tp,ddp")
+    p.add_argument("--jobs", default="tp,fsdp,ddp")
     p.add_argument("--backends", default="bcc")
     p.add_argument("--tp-collectives", type=int, default=400)
     p.add_argument("--raw-markers", action="store_true", help="also measure --raw-markers")
     args = p.parse_args()
-    jobs = {"tp": ["--tp-collectives", str(args.tp_collectives)], "ddp": ["--ddp"]}
+    jobs = {"tp": ["--tp-collectives", str(args.tp_collectives)], "fsdp": ["--fsdp"],
+            "ddp": ["--ddp"]}
     for i, name in enumerate(args.jobs.split(",")):
         run_job(name, jobs[name], args, 29690 + i)
     return 0

@@ -1,12 +1,13 @@
 """How far the marker path goes on one node: an 8-rank job at 50 iterations a second per
-rank, and faster, through the session's own reducers and event-log writer, with
-synthetic records shaped as the bcc probe delivers them (per rank and iteration: a
+rank, and faster, through the session's own step rows, reducers and event-log writer,
+with synthetic records shaped as the bcc probe delivers them (per rank and iteration: a
 ``waits`` record, the ``Optimizer.step`` marker, a backward's entry and return).
 
-For each rate it feeds --seconds of records in 200 ms polls (the session's loop),
-timing what the agent spends per poll (reduce + log append + flush), and reports the
-share of one core that takes; the ring buffer's capacity between two polls is printed
-beside it (DEFAULT_RING_PAGES of 4 KiB, 112 bytes a marker event).
+For each rate it feeds --seconds of records in 200 ms polls (the session's loop: the
+markers made rows, the rows logged and reduced once a second), timing what the agent
+spends per poll (rows + reduce + log append + flush), and reports the share of one
+core that takes; the ring buffer's capacity between two polls is printed beside it
+(DEFAULT_RING_PAGES of 4 KiB, 112 bytes a marker event).
 
     .venv/bin/python benchmarks/marker_rate.py --seconds 60
 """
@@ -22,22 +23,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from perfmon.agent.measure.session import POLL_INTERVAL_S, ROWS_INTERVAL_NS  # noqa: E402
 from perfmon.agent.record.eventlog import EventLogWriter  # noqa: E402
 from perfmon.agent.record.outputs import OutputDir  # noqa: E402
 from perfmon.agent.reducers import Summarizer  # noqa: E402
+from perfmon.agent.reducers.steps import StepRows  # noqa: E402
 from perfmon.probes.uprobes import DEFAULT_RING_PAGES  # noqa: E402
 
 from tests.eventlogs import START_NS, session_facts  # noqa: E402
 
 RANKS = 8
-POLL_NS = 200_000_000
+POLL_NS = int(POLL_INTERVAL_S * 1e9)
+ROWS_POLLS = ROWS_INTERVAL_NS // POLL_NS  # polls between two takes of the rows
 EVENT_BYTES = 112  # event_t (104) + the ring buffer's 8-byte header
 
 
 def facts() -> dict:
     f = session_facts()
     pids = [1000 + r for r in range(RANKS)]
-    f.update(pids=pids, ranks=list(range(RANKS)), primary_pid=pids[0])
+    f.update(pids=pids, ranks=list(range(RANKS)), primary_pid=pids[0], step_rows=True)
     f["workload"] = {**f["workload"], "world_size": RANKS, "data_parallel_size": RANKS}
     return f
 
@@ -82,10 +86,13 @@ def main() -> int:
             out = OutputDir.open(Path(tmp))
             log = EventLogWriter(out, "perf_events_bench")
             summarizer = Summarizer.from_facts(facts())
+            rows = StepRows(START_NS)
             spent, worst, events = 0.0, 0.0, 0
-            for batch in polls(rate, args.seconds):
+            for n, batch in enumerate(polls(rate, args.seconds)):
                 began = time.perf_counter()
-                for record in batch:
+                logged = rows.feed_poll(batch, raw_markers=False)
+                steps = rows.take() if n % ROWS_POLLS == ROWS_POLLS - 1 else None
+                for record in logged + ([steps.to_record()] if steps is not None else []):
                     log.append(record)
                     summarizer.feed(record)
                 log.flush_if_due()

@@ -1,14 +1,9 @@
-"""The event log's records: one frozen dataclass per type, and their decoding (pure).
+"""The event log's records: one frozen dataclass per type, and their checks (pure).
 
 Every source emits these records; the session logs them (``to_record``) as msgpack
-maps and feeds the same maps to the reducers, and ``summarize`` reads them back:
-one definition for the log, the reducers and the docs (docs/events.md is
-checked against :func:`records_table`). The log is appended as events arrive,
-so a killed agent leaves a log whose last record may be cut short; decoding
-stops cleanly there and says so. Records are read one at a time from a stream
-with a bounded buffer, so a log of any size is read in flat memory. A log is one
-zstd stream of the records per part (perfmon.agent.record.eventlog; a cut stream
-decodes up to its last whole block), or plain msgpack (older agents' logs).
+maps and feeds the same maps to the reducers, and ``summarize`` reads them back
+(perfmon.parsers.log_reader): one definition for the log, the reducers and the docs
+(docs/events.md is checked against :func:`records_table`).
 
 Record order: the session sorts each poll's records from all sources by
 ``(t_mono_ns, TYPE_ORDER)`` before logging them (see ``sort_key``); replay feeds
@@ -20,15 +15,12 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any, ClassVar
+from typing import Any, ClassVar
 
-import msgpack
-from perfmon.parsers.errors import EventLogError
-from perfmon.parsers.log_stream import Decoded, ZstdError, open_log_stream
+from perfmon.parsers.step_rows import STEP_COLUMNS, encode_rows, steps_problem
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 MARKER_KINDS = (
     "optimizer_step",
@@ -88,13 +80,36 @@ class WaitTotals(Record):
     """A rank's time blocked on collectives so far (cumulative), at an Optimizer.step:
     the sum over its threads of each one's waits (nested calls once; the stepping
     thread's open wait ends at the step), and how many ended. Counted in the kernel
-    (bcc) or by the probe (tracefs) and logged once a step, not every wait's entry and
-    return (those are ``wait_*`` markers, only when asked for)."""
+    (bcc) or by the probe (tracefs), once a step, not every wait's entry and return
+    (those are ``wait_*`` markers, only when asked for); the session folds them into the
+    rank's ``steps`` row (older logs hold them as records)."""
 
     TYPE: ClassVar[str] = "waits"
     pid: int
     wait_ns: int
     waits: int
+
+
+@dataclass(frozen=True)
+class Steps(Record):
+    """Iteration ends of the ranks, one row each, logged once a second instead of their
+    markers and wait totals: ``rows``, int64 columns as ``columns`` names them
+    (perfmon.parsers.step_rows): ``pid``; ``end_ns``, ``backward_from_ns`` and
+    ``backward_to_ns`` (the first backward() entry and last return since the previous
+    end, else the end), relative to ``t_mono_ns``, and ``backward_ns`` (the time in it);
+    ``micro`` (backward() calls, -1: none ever); ``wait_ns`` and ``waits`` (blocked on
+    collectives since the previous end, how many ended); ``how`` (index into ``hows``:
+    uprobe or py-spy's estimator). A rank's first row after attach only opens its window."""
+
+    TYPE: ClassVar[str] = "steps"
+    columns: list[str]
+    rows: bytes
+    hows: list[str]
+
+    @classmethod
+    def encode(cls, t_mono_ns: int, rows: list[tuple[int, ...]], hows: list[str]) -> Steps:
+        """The record of ``rows`` (tuples in STEP_COLUMNS order, absolute times)."""
+        return cls(t_mono_ns, list(STEP_COLUMNS), encode_rows(t_mono_ns, rows), hows)
 
 
 @dataclass(frozen=True)
@@ -243,6 +258,21 @@ class Quality(Record):
 
 
 @dataclass(frozen=True)
+class Coarsened(Record):
+    """A part of the log made coarser once the log outgrew its cap (``--event-log-max-mib``,
+    perfmon.agent.record.coarsen): the span of its records, and per type how many were
+    merged (in, out: one per rank and ``interval_s``) and dropped; the rows are whole."""
+
+    TYPE: ClassVar[str] = "coarsened"
+    part: int
+    from_mono_ns: int
+    until_mono_ns: int
+    interval_s: int
+    merged: dict[str, Any]
+    dropped: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class SessionEnd(Record):
     """The end of the window (``reason``: target_exited, duration, SIGTERM, ...)."""
 
@@ -251,8 +281,8 @@ class SessionEnd(Record):
 
 
 RECORD_TYPES: tuple[type[Record], ...] = (
-    SessionStart, LogPart, Quality, CudaSnapshot, WaitTotals, Marker, JobIteration, Phase,
-    ProcessSample, GpuSamples, Xid, Ecc, Hang, HangRecovered, RankExit, SessionEnd,
+    SessionStart, LogPart, Quality, CudaSnapshot, WaitTotals, Marker, Steps, JobIteration, Phase,
+    ProcessSample, GpuSamples, Xid, Ecc, Hang, HangRecovered, RankExit, Coarsened, SessionEnd,
 )
 BY_TYPE: dict[str, type[Record]] = {cls.TYPE: cls for cls in RECORD_TYPES}
 # Ties in time are ordered by type, as RECORD_TYPES lists them: a CUDA snapshot and
@@ -313,7 +343,8 @@ def _fast_checks() -> dict[str, Any]:
     return {kind: namespace[f"check_{kind}"] for kind in RECORD_FIELDS}
 
 
-_FAST_CHECK = _fast_checks()
+FAST_CHECKS = _fast_checks()
+del FAST_CHECKS["steps"]  # (once a second: its columns are checked by record_problem)
 _MISSING = object()
 
 
@@ -326,7 +357,7 @@ def record_problem(record: object) -> str | None:
     if type(record) is not dict:
         return f"a {type(record).__name__}, not a map"
     kind = record.get("type")
-    fast = _FAST_CHECK.get(kind)  # type: ignore[arg-type]
+    fast = FAST_CHECKS.get(kind)  # type: ignore[arg-type]
     if fast is not None and fast(record):
         return None
     if not isinstance(kind, str):
@@ -343,13 +374,10 @@ def record_problem(record: object) -> str | None:
         # bool is an int in Python; an int field must not take one.
         if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
             return f"{kind} record with {name!r} of type {type(value).__name__}"
-    return _marker_kind_problem(record)
-
-
-def _marker_kind_problem(record: dict[str, Any]) -> str | None:
-    if record["type"] == "marker" and record["kind"] not in MARKER_KINDS:
-        return "marker record of unknown kind"
-    return None
+    if kind == "steps":
+        return steps_problem(record)
+    return "marker record of unknown kind" if kind == "marker" and (
+        record["kind"] not in MARKER_KINDS) else None
 
 
 def records_table() -> str:
@@ -363,115 +391,6 @@ def records_table() -> str:
         what = " ".join((cls.__doc__ or "").split()).replace("``", "`")
         rows.append(f"| `{cls.TYPE}` | {', '.join(names)} | {what} |")
     return "\n".join(rows) + "\n"
-
-
-# The largest record a log may hold; a record longer than this is corruption.
-MAX_RECORD_BYTES = 16 << 20
-_READ_BYTES = 1 << 20
-
-class EventLogReader:
-    """Records of one event log part, read from a binary stream one at a time.
-
-    Iterating yields well-formed records of known types. Afterwards:
-    ``records`` (yielded), ``skipped`` (wrong shape, with ``first_problem``),
-    ``unknown`` (types this version does not know), ``tail_cut`` (the stream
-    ended inside a record: the agent was killed while writing), ``corrupt``
-    (a message when undecodable bytes stopped the reading early).
-    The first record must be ``session_start`` or ``log_part``, else
-    EventLogError is raised before anything is yielded.
-    """
-
-    def __init__(self, stream: IO[bytes], source: str, size_bytes: int | None = None) -> None:
-        self.source = source
-        self.size_bytes = size_bytes
-        # A zstd stream (this agent's logs), else plain msgpack (older agents', tests').
-        opened = open_log_stream(stream)
-        self._decoded = opened if isinstance(opened, Decoded) else None
-        self.records = 0
-        self.skipped = 0
-        self.unknown = 0
-        self.first_problem: str | None = None
-        self.tail_cut = False
-        self.corrupt: str | None = None
-        self.first: dict[str, Any] | None = None
-        self.last_t_mono_ns = 0  # the latest time of a record read
-        self._position = 0
-        self._unpacker = msgpack.Unpacker(
-            opened, raw=False, strict_map_key=False, read_size=_READ_BYTES, use_list=False,
-            max_buffer_size=MAX_RECORD_BYTES)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        records: list[dict[str, Any]] = []
-        self.read_into(records.append, limit=1)
-        yield from records
-        while True:
-            records.clear()
-            done = self.read_into(records.append, limit=4096)
-            yield from records
-            if done:
-                return
-
-    def read_into(self, sink: Callable[[dict[str, Any]], object],
-                  limit: int | None = None) -> bool:
-        """Pass records to ``sink`` (the fast path of replaying a log: no generator
-        between the decoder and the reducers); at most ``limit``; True at the end."""
-        unpacker = self._unpacker
-        tell = unpacker.tell
-        fast = _FAST_CHECK
-        count = 0
-        last_t = self.last_t_mono_ns
-        whole = tell()  # where the last record decoded whole ends
-        try:
-            for obj in unpacker:
-                whole = tell()
-                if self.first is None:
-                    self._check_first(obj)
-                    self.first = obj
-                else:
-                    # The common case in one dict lookup and one generated check.
-                    check = fast.get(obj.get("type")) if type(obj) is dict else None  # type: ignore[arg-type]
-                    if check is None or not check(obj):
-                        problem = record_problem(obj)
-                        if problem is not None:
-                            self.skipped += 1
-                            self.first_problem = self.first_problem or problem
-                            continue
-                        if obj["type"] not in RECORD_FIELDS:
-                            self.unknown += 1
-                            continue
-                t = obj["t_mono_ns"]
-                if t > last_t:  # noqa: PLR1730  (no call: once a record)
-                    last_t = t
-                sink(obj)
-                count += 1
-                if count == limit:
-                    return False
-        except (msgpack.UnpackException, ValueError, ZstdError) as err:
-            if self.first is None:
-                raise EventLogError(f"{self.source}: not a perfmon event log ({err})") from err
-            # (a string that is no UTF-8 fails after the decoder has read past it: the
-            # offset named is where the last record decoded whole ended)
-            where = " of its decoded records" if self._decoded is not None else ""
-            self.corrupt = f"undecodable data after byte {whole}{where}: {err}"
-            return True
-        finally:
-            # Kept in locals while reading (this loop runs once a record).
-            self.records += count
-            self.last_t_mono_ns = last_t
-            self._position = tell()
-        if self.first is None:
-            raise EventLogError(f"{self.source}: not a perfmon event log (empty)")
-        size = self._decoded.count if self._decoded is not None else self.size_bytes
-        if size is not None and self._position < size:
-            self.tail_cut = True
-        return True
-
-    def _check_first(self, obj: object) -> None:
-        if not isinstance(obj, dict) or obj.get("type") not in ("session_start", "log_part"):
-            raise EventLogError(f"{self.source}: not a perfmon event log (no session_start record)")
-        problem = record_problem(obj)
-        if problem is not None:
-            raise EventLogError(f"{self.source}: not a perfmon event log ({problem})")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgpack
-from perfmon.parsers.events import EventLogReader
+from perfmon.agent.reducers.ranks import RankTimes
+from perfmon.agent.reducers.steps import StepRows
+from perfmon.parsers.log_reader import EventLogReader
+from perfmon.parsers.step_rows import STEP_COLUMNS, decode_steps
 
 START_NS = 10**12  # CLOCK_MONOTONIC of attach
 STEP_NS = 100_000_000  # 100 ms iterations
@@ -239,3 +242,99 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         reader.read_into(out.append)
     assert reader.corrupt is None and reader.skipped == 0, reader.corrupt or reader.first_problem
     return out
+
+
+def rank_feed(ranks: RankTimes, start_ns: int = 0) -> Callable[[dict[str, Any]], None]:
+    """Feed markers and ``waits`` records to a RankTimes alone, as the summarizer does:
+    rows made of them (each as it ends), the primary's iterations counted."""
+    rows, opened = StepRows(start_ns), set()
+
+    def feed(record: dict[str, Any]) -> None:
+        rows.feed(record)
+        steps = rows.take()
+        if steps is None:
+            return
+        block = decode_steps(steps.to_record())
+        ranks.on_rows(block)
+        for pid, end in zip(block.pid.tolist(), block.end_ns.tolist(), strict=True):
+            if pid == ranks.primary_pid and pid in opened:
+                ranks.on_primary_iteration(end)
+            opened.add(pid)
+
+    return feed
+
+
+def step_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every row of a log's ``steps`` records, as a map of its columns (``how`` named)."""
+    out = []
+    for record in records:
+        if record["type"] != "steps":
+            continue
+        block = decode_steps(record)
+        names = STEP_COLUMNS
+        for values in zip(*(getattr(block, n).tolist() for n in names), strict=True):
+            row = dict(zip(names, values, strict=True))
+            row["how"] = block.hows[row["how"]]
+            out.append(row)
+    return out
+
+
+def rows_records(seconds: int, *, ranks: int = 8, step_ns: int = 100_000_000,
+                 gpus: bool = True, phases: bool = False
+                 ) -> Iterator[dict[str, Any] | None]:
+    """The records a session logs (``step_rows``) for a job on ``ranks`` GPUs over
+    ``seconds``, None after each second (where the session flushes): once a second NVML
+    (one GPU per rank) and every rank's memory and CPU, the primary's stack-sample
+    spans (``phases``), and one ``steps`` record with every rank's iteration ends of
+    that second (2% of the wait jitters)."""
+    from perfmon.parsers.events import Steps
+
+    pids = [PID + r for r in range(ranks)]
+    facts = session_facts()
+    facts.update(pids=pids, ranks=list(range(ranks)), step_rows=True,
+                 gpu={"available": gpus})
+    yield {"type": "session_start", "t_mono_ns": START_NS, "session": facts}
+    per_second = 1_000_000_000 // step_ns
+    for second in range(seconds):
+        t0 = START_NS + second * 1_000_000_000
+        if gpus:
+            yield {"type": "gpu", "t_mono_ns": t0,
+                   "gpus": [_gpu(g, t0, pids) for g in range(ranks)]}
+        for pid in pids:
+            yield {"type": "process", "t_mono_ns": t0, "pid": pid,
+                   "rss_bytes": (20 << 30) + second * 4096, "peak_rss_bytes": 24 << 30,
+                   "cpu_ns": second * 10**9, "run_delay_ns": second * 10**6}
+        rows = []
+        for k in range(per_second):
+            t = t0 + k * step_ns
+            for span, (a, b) in zip(("data_loading", "forward", "backward", "optimizer"),
+                                    ((0, 5), (5, 40), (40, 90), (90, 100)), strict=True):
+                if phases:
+                    yield {"type": "phase", "t_mono_ns": t + step_ns * a // 100,
+                           "end_mono_ns": t + step_ns * b // 100, "pid": PID, "phase": span}
+            for j, pid in enumerate(pids):
+                end = t + step_ns * 91 // 100 + j * 1000
+                wait = step_ns * 3 // 10 + (k * 7919 + j * 104729) % (step_ns // 50)
+                rows.append((pid, end, 1, wait, 400, 0, step_ns // 2, t + step_ns * 4 // 10,
+                             t + step_ns * 9 // 10))
+        yield Steps.encode(rows[0][1], rows, ["uprobe"]).to_record()
+        yield None
+    yield {"type": "session_end", "t_mono_ns": START_NS + seconds * 1_000_000_000,
+           "reason": "duration"}
+
+
+def write_rows_log(out_dir: Path, seconds: int, **kw: Any) -> Path:
+    """``rows_records`` as this agent's session writes them (EventLogWriter: zstd, parts)."""
+    from perfmon.agent.record.eventlog import EventLogWriter
+    from perfmon.agent.record.outputs import OutputDir
+
+    out = OutputDir.open(out_dir)
+    writer = EventLogWriter(out, "perf_events_20261130_120000")
+    for record in rows_records(seconds, **kw):
+        if record is None:
+            writer.flush()
+        else:
+            writer.append(record)
+    writer.close()
+    out.close()
+    return out_dir / writer.name

@@ -84,8 +84,8 @@ def test_pyspy_mode_mean_step_time_matches_the_targets_own_timestamps(
     # The boundaries the agent found, from its event log; each belongs to the
     # latest step the target stamped before it (sampling finds it a little late).
     (events,) = out_dir.glob("perf_events_*.msgpack")
-    ends = [r["t_mono_ns"] for r in eventlogs.read_records(events)
-            if r["type"] == "marker" and r["t_mono_ns"] >= info["attach_monotonic_ns"]]
+    ends = [row["end_ns"] for row in eventlogs.step_rows(eventlogs.read_records(events))]
+    assert min(ends) >= info["attach_monotonic_ns"]
     stamps = [t for _, t in target.timestamps()]
     matched = [bisect.bisect_right(stamps, t + 20_000_000) - 1 for t in ends]
     assert stats["measured_iterations"] >= 30
@@ -118,8 +118,7 @@ def test_pyspy_mode_counts_every_step_though_the_optimizer_step_is_too_short_to_
     assert (estimators.get("counter", 0) > 0) == counter, estimators
     assert counter or stats["iteration_estimator"] == "phase_transitions"
     (events,) = out_dir.glob("perf_events_*.msgpack")
-    ends = sorted(r["t_mono_ns"] for r in eventlogs.read_records(events)
-                  if r["type"] == "marker")
+    ends = sorted(row["end_ns"] for row in eventlogs.step_rows(eventlogs.read_records(events)))
     stamps = [t for _, t in target.timestamps()]
     # The job's own steps between the first and the last end the agent found.
     step = (stamps[-1] - stamps[0]) / (len(stamps) - 1)

@@ -48,15 +48,15 @@ def test_the_probes_account_each_threads_waits_and_end_a_lost_one_at_the_step():
 
 def test_the_reducer_takes_each_iterations_wait_from_the_totals_and_ignores_raw_beside_them():
     ranks = RankTimes({1: 0}, 1, 0, str)
+    feed = eventlogs.rank_feed(ranks)
 
     def step(t: int, total_ms: int) -> None:
-        ranks.on_waits({"type": "waits", "t_mono_ns": t, "pid": 1, "wait_ns": total_ms * MS,
-                        "waits": 0})
-        ranks.on_marker(_marker(t, 1, "optimizer_step"))
+        feed({"type": "waits", "t_mono_ns": t, "pid": 1, "wait_ns": total_ms * MS, "waits": 0})
+        feed(_marker(t, 1, "optimizer_step"))
 
     step(0, 5)
-    ranks.on_marker(_marker(10 * MS, 1, "wait_enter"))  # raw, beside the totals
-    ranks.on_marker(_marker(40 * MS, 1, "wait_exit"))
+    feed(_marker(10 * MS, 1, "wait_enter"))  # raw, beside the totals
+    feed(_marker(40 * MS, 1, "wait_exit"))
     step(50 * MS, 35)
     step(100 * MS, 35)
     step(150 * MS, 500)  # more than the step: at most the step
@@ -95,14 +95,15 @@ def test_each_steps_wait_totals_are_the_sum_of_its_collectives_waits(
         assert run.returncode == 0, run.stderr
 
     # Raw: replay every wait's entry and return through the probe's own rule; between
-    # two steps the logged totals grow exactly by those sums (the same kernel times).
-    # (Compared from a rank's second step on: waits from before the raw markers were
-    # switched on are in the kernel's totals only.)
+    # two steps a rank's row holds exactly those sums (the kernel's own totals, taken at
+    # the same instants). (Compared from a rank's second row on: waits from before the
+    # raw markers were switched on are in the kernel's totals only.)
     (log,) = raw.glob("perf_events_*.msgpack")
     records = eventlogs.read_records(log)
+    rows = {(row["pid"], row["end_ns"]): row for row in eventlogs.step_rows(records)}
+    attach_ns = records[0]["session"]["attach_monotonic_ns"]
     account = WaitAccount()
-    totals: dict[int, dict] = {}
-    last: dict[int, tuple[int, int]] = {}  # pid -> (logged total, replayed total)
+    last: dict[int, tuple[int, int]] = {}  # pid -> replayed (total, count) at its last step
     compared = 0
     for record in records:
         kind, pid = record.get("kind"), record.get("pid")
@@ -110,26 +111,26 @@ def test_each_steps_wait_totals_are_the_sum_of_its_collectives_waits(
             account.enter(record["tid"], record["t_mono_ns"])
         elif kind == "wait_exit":
             account.exit(pid, record["tid"], record["t_mono_ns"])
-        elif record["type"] == "waits":
-            totals[pid] = record
-        elif kind == "optimizer_step":
-            logged = totals.pop(pid)
-            assert logged["t_mono_ns"] == record["t_mono_ns"]
-            replayed, _ = account.step(pid, record["tid"], record["t_mono_ns"])
+        elif kind == "optimizer_step" and record["t_mono_ns"] >= attach_ns:  # (in the window)
+            row = rows.pop((pid, record["t_mono_ns"]))  # one optimizer: every step ends one
+            replayed = account.step(pid, record["tid"], record["t_mono_ns"])
             if pid in last:
-                assert (logged["wait_ns"] - last[pid][0]) == (replayed - last[pid][1])
+                assert (row["wait_ns"], row["waits"]) == (replayed[0] - last[pid][0],
+                                                          replayed[1] - last[pid][1])
                 compared += 1
-            last[pid] = (logged["wait_ns"], replayed)
+            last[pid] = replayed
     wait_markers = sum(1 for r in records if r.get("kind") == "wait_exit")
     assert compared >= 8 and wait_markers >= TP_COLLECTIVES * compared
+    assert not rows  # (every row is an Optimizer.step's)
 
-    # Default: no per-collective record; the ranks still wait and compute.
+    # Default: no per-collective record and no per-step marker: one row a rank and step.
     (log,) = default.glob("perf_events_*.msgpack")
     records = eventlogs.read_records(log)
-    kinds = {r.get("kind") for r in records if r["type"] == "marker"}
-    assert not kinds & {"wait_enter", "wait_exit"}
-    steps = sum(1 for r in records if r["type"] == "marker" and r["kind"] == "optimizer_step")
-    assert sum(1 for r in records if r["type"] == "waits") == steps
+    assert not {r["type"] for r in records} & {"waits", "marker"}
+    rows = eventlogs.step_rows(records)
+    later = [row for pid in {row["pid"] for row in rows}
+             for row in [r for r in rows if r["pid"] == pid][1:]]
+    assert len(later) >= 8 and min(row["waits"] for row in later) >= TP_COLLECTIVES
     stats = load_summary(default)["final_statistics"]
     for rank in stats["ranks"]:
         assert rank["avg_wait_ms"] > 0.5, rank

@@ -11,9 +11,14 @@ from perfmon.parsers.events import (
     RECORD_TYPES,
     Marker,
     Quality,
+    Steps,
     record_problem,
     records_table,
 )
+from perfmon.parsers.step_rows import decode_steps
+
+_STEPS = Steps.encode(1, [(7, 1, 2, 30, 4, 0, 0, 1, 1), (7, 9, 2, 5, 1, 1, 4, 3, 8)],
+                      ["uprobe", "optimizer_frame"])
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "events.md"
 
@@ -37,6 +42,7 @@ def test_every_record_round_trips_and_checks(cls):
                  "nccl_bytes": {"all_reduce": 4096}},
         "waits": {"pid": 1, "wait_ns": 5_000_000, "waits": 12},
         "marker": {"pid": 1, "tid": 1, "kind": "optimizer_step", "name": "x"},
+        "steps": {"columns": _STEPS.columns, "rows": _STEPS.rows, "hows": _STEPS.hows},
         "job_iteration": {"end_mono_ns": 2, "pid": 1, "value": 9, "name": "iteration"},
         "phase": {"end_mono_ns": 2, "pid": 1, "phase": "forward"},
         "process": {"pid": 1, "rss_bytes": 10, "peak_rss_bytes": None},
@@ -45,6 +51,8 @@ def test_every_record_round_trips_and_checks(cls):
         "hang": {"last_iteration_mono_ns": 0, "threshold_s": 120.0, "frame": "f",
                  "report": "r"},
         "hang_recovered": {}, "session_end": {"reason": "duration"},
+        "coarsened": {"part": 0, "from_mono_ns": 1, "until_mono_ns": 9, "interval_s": 60,
+                      "merged": {"process": [60, 1]}, "dropped": {"phase": 240}},
         "rank_exit": {"pid": 1, "exit_code": 1, "signal": None, "core_dumped": False,
                       "oom_killed": None, "source": "proc_connector", "rank": 0,
                       "log_tail_cause": {"cause": "cuda_out_of_memory", "message": "m"}},
@@ -55,6 +63,25 @@ def test_every_record_round_trips_and_checks(cls):
     for name in example:
         broken = {**record, name: object()}
         assert record_problem(broken) is not None
+
+
+def test_steps_rows_decode_as_they_were_made_and_crafted_ones_are_refused():
+    block = decode_steps(_STEPS.to_record())
+    assert block.pid.tolist() == [7, 7] and block.end_ns.tolist() == [1, 9]
+    assert block.wait_ns.tolist() == [30, 5] and block.backward_to_ns.tolist() == [1, 8]
+    assert [block.hows[i] for i in block.how.tolist()] == ["uprobe", "optimizer_frame"]
+    good = _STEPS.to_record()
+    table = bytearray(good["rows"])
+    table[5 * 16:5 * 16 + 8] = (2).to_bytes(8, "little")  # the first row's how: no such
+    for broken, problem in (
+            ({"rows": good["rows"][:-8]}, "rows do not fill its columns"),
+            ({"rows": b""}, "rows do not fill its columns"),
+            ({"columns": good["columns"][:-1]}, "without its columns"),
+            ({"columns": [*good["columns"][:-1], "pid"]}, "without its columns"),
+            ({"hows": ["x"] * 17}, "wrong 'hows'"),
+            ({"rows": bytes(table)}, "out of its range"),
+            ({"t_mono_ns": 1 << 62}, "out of its range")):
+        assert problem in (record_problem({**good, **broken}) or ""), broken
 
 
 def test_malformed_records_are_named():

@@ -179,6 +179,11 @@ def _records_out_of_range() -> list[dict[str, Any]]:
         {"type": "gpu", "t_mono_ns": t, "gpus": [gpu]},
         {"type": "process", "t_mono_ns": t, "pid": eventlogs.PID, "rss_bytes": (1 << 63) - 1,
          "peak_rss_bytes": (1 << 63) - 1},
+        # A part said to be coarser, with counts of every wrong kind.
+        {"type": "coarsened", "t_mono_ns": t, "part": -5, "from_mono_ns": -(1 << 63),
+         "until_mono_ns": (1 << 63) - 1, "interval_s": 0,
+         "merged": {"process": [-1, (1 << 63) - 1], "gpu": "x", "nonsense": [1, 1]},
+         "dropped": {"phase": (1 << 63) - 1, "marker": -3, "x" * 10_000: 1}},
     ]
     return records
 

@@ -76,6 +76,8 @@ def test_interval_entries_and_derived_global_batch():
                     marker("backward_enter", t + 3), marker("optimizer_step", t + 400)]
     records.insert(0, {"type": "process", "t_mono_ns": 600 * MS, "pid": 10,
                        "rss_bytes": 2 << 30, "peak_rss_bytes": 3 << 30})
+    # (an older log's markers become rows a block at a time: before the next record)
+    records.append({"type": "session_end", "t_mono_ns": 2500 * MS, "reason": "duration"})
     entries = feed(agg, records)
     assert [e["iteration"] for e in entries] == [3, 5]
     first = entries[0]
@@ -118,8 +120,7 @@ def test_a_burst_that_saw_only_backward_gives_its_window_no_phases():
 
     for bursts in (True, False):
         phases = PhaseAccount(bursts=bursts)
-        phases.backward_enter(40 * MS)
-        phases.backward_exit(90 * MS)
+        phases.add_backward(100 * MS, 50 * MS)  # the iteration's backward(): 40..90 ms
         phases.add_span(50 * MS, 60 * MS, "backward")  # the burst: inside backward only
         window = phases.window_ns(0, 100 * MS)
         if bursts:  # the other 50 ms are not known to be "other"

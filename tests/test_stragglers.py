@@ -19,6 +19,7 @@ import pytest
 from perfmon.agent.reducers.failslow import FailSlow
 from perfmon.agent.reducers.ranks import RankTimes
 
+from tests import eventlogs
 from tests.conftest import TRAIN_GPT, Target, _reap, load_summary
 
 MS = 1_000_000
@@ -151,7 +152,7 @@ def _marker(t: int, pid: int, kind: str, tid: int | None = None) -> dict:
 
 def test_wait_is_the_union_of_nested_and_concurrent_waits_and_a_lost_exit_ends_at_the_step():
     ranks = RankTimes({1: 0}, 1, 0, str)
-    feed = ranks.on_marker
+    feed = eventlogs.rank_feed(ranks)
     feed(_marker(0, 1, "optimizer_step"))
     feed(_marker(10 * MS, 1, "wait_enter"))  # nested: Reducer::finalize_backward ...
     feed(_marker(12 * MS, 1, "wait_enter"))  # ... and a Work::wait inside it
@@ -172,16 +173,17 @@ def _job(ranks: RankTimes, steps: int, compute_ms: dict[int, float], t0: int = 0
          noise: float = 0.0) -> int:
     """Feed a synchronous job: every rank steps together; each waits for the slowest."""
     rng = random.Random(7)
+    feed = eventlogs.rank_feed(ranks, t0)
     t = t0
     for _ in range(steps):
         computed = {pid: ms * (1 + rng.uniform(-noise, noise)) for pid, ms in compute_ms.items()}
         step = max(computed.values())
         for pid, ms in computed.items():
-            ranks.on_marker(_marker(t + int(ms * MS), pid, "wait_enter"))
-            ranks.on_marker(_marker(t + int(step * MS), pid, "wait_exit"))
+            feed(_marker(t + int(ms * MS), pid, "wait_enter"))
+            feed(_marker(t + int(step * MS), pid, "wait_exit"))
         t += int(step * MS)
         for pid in compute_ms:
-            ranks.on_marker(_marker(t, pid, "optimizer_step"))
+            feed(_marker(t, pid, "optimizer_step"))
     return t
 
 

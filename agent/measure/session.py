@@ -48,6 +48,7 @@ from perfmon.agent.record.layout import session_names, stamp
 from perfmon.agent.record.outputs import OutputDir, OutputDirError, OutputNotWritable, json_bytes
 from perfmon.agent.record.summary import SummaryFile, build_summary
 from perfmon.agent.reducers import Summarizer
+from perfmon.agent.reducers.steps import StepRows
 from perfmon.parsers.events import (
     SCHEMA_VERSION,
     Quality,
@@ -70,6 +71,8 @@ from perfmon.probes.procfs import (
 from perfmon.probes.sampler import Source, monotonic_ns
 from perfmon.probes.stacks import StackSource
 
+# Step rows go to the log and the reducers once a second: what replay reduces in bulk.
+ROWS_INTERVAL_NS = 1_000_000_000
 POLL_INTERVAL_S = 0.2  # the ring buffer holds ~2,300 markers: 11,500 a second
 LIVENESS_INTERVAL_NS = 500_000_000
 # The summary is rewritten when a log interval completes, but not more often
@@ -122,6 +125,10 @@ class _Live:
     facts: dict[str, Any]
     hangs: HangWatch
     budget: CpuBudget
+    rows: StepRows  # markers and wait totals -> step rows, logged once a second
+    rows_taken_ns: int
+    closer_look: bool = False  # a hang suspected, or a fail-slow being looked at
+    over_cap_told: bool = False
     markers: MarkerSource | None = None  # the uprobe source (None: py-spy mode)
     quality: dict[str, dict[str, Any]] = field(default_factory=dict)  # last logged, per source
 
@@ -260,6 +267,7 @@ class MonitorSession:
             "warnings": self.warnings,
             "workload": workload.__dict__,
             "iteration_logs_max_entries": opts.max_log_entries,
+            "step_rows": True,  # iteration ends logged as rows (steps records)
         }
         # The job this session belongs to: as the node service named it, else from the
         # primary rank's job variables, as the service would (perfmon.agent.daemon.jobs).
@@ -277,7 +285,7 @@ class MonitorSession:
         hangs = HangWatch(opts.hang_factor, opts.hang_timeout_s, targets=targets, out=out,
                           dumps=dumps, warn=self.warn)
         live = _Live(targets, sources, stacks, out, log, summary_file, summarizer, facts, hangs,
-                     budget)
+                     budget, StepRows(start_ns), start_ns)
         log.append(SessionStart(start_ns, facts).to_record())
         self.context.observer.started(facts)
         return live
@@ -305,8 +313,8 @@ class MonitorSession:
                 # Continuous stack samples (and every collective wait logged) while a
                 # hang is suspected, and after a fail-slow event until samples show
                 # which phase moved.
-                closer_look = (live.hangs.suspected(summarizer, now)
-                               or summarizer.failslow.wants_samples(now))
+                closer_look = live.closer_look = (live.hangs.suspected(summarizer, now)
+                                                  or summarizer.failslow.wants_samples(now))
                 live.budget.update(now, closer_look)
                 if live.markers is not None:
                     live.markers.set_raw_waits(opts.raw_markers or closer_look)
@@ -316,6 +324,7 @@ class MonitorSession:
                     next_write = now + max(SUMMARY_MIN_INTERVAL_NS, spent)
                     next_refresh = now + max(SUMMARY_REFRESH_NS, spent)
                 log.flush_if_due()
+                self._take_coarsened(live)
                 if deadline is not None and now >= deadline:
                     self._stop_reason = "duration"
                 elif now >= next_liveness:
@@ -341,6 +350,7 @@ class MonitorSession:
             live.budget.close()
             self._log(live, SessionEnd(end_ns, self._stop_reason or "error").to_record())
             log_ok = log.close()
+            self._take_coarsened(live)
             summary = build_summary(live.facts, summarizer)
             summary_ok = live.summary_file.write(summary)
             self.context.observer.written(summary)
@@ -363,8 +373,17 @@ class MonitorSession:
         records += [r.to_record() for r in live.hangs.reports()]
         records.sort(key=sort_key)
         completed = False
-        for record in records:
+        for record in live.rows.feed_poll(records, self.options.raw_markers):
             completed |= self._log(live, record)
+        # The rows once a second (and at the end), so a replayed log's blocks are large;
+        # every poll during a closer look (a suspected hang: its last iteration exact).
+        now = monotonic_ns()
+        if (until_ns is not None or live.closer_look
+                or now - live.rows_taken_ns >= ROWS_INTERVAL_NS):
+            live.rows_taken_ns = now
+            steps = live.rows.take()
+            if steps is not None:
+                completed |= self._log(live, steps.to_record())
         for event in live.summarizer.take_events():
             self.warn(describe_event(event))
         clock = live.summarizer.clock
@@ -382,6 +401,21 @@ class MonitorSession:
         for entry in entries:
             self.context.observer.interval(entry)
         return bool(entries)
+
+    def _take_coarsened(self, live: _Live) -> None:
+        """Parts of the log just made coarser: their ``coarsened`` records (in those
+        parts, not logged again) go to the reducers, so the summary says so at once."""
+        for record in live.log.take_coarsened():
+            live.summarizer.feed(record)
+        log = live.log
+        if log.coarsen_error is not None:
+            self._warning(f"event log: a part could not be made coarser: {log.coarsen_error}")
+            log.coarsen_error = None
+        if log.over_cap and not live.over_cap_told:
+            live.over_cap_told = True
+            self._warning(f"event log: {log.total_bytes >> 20} MiB, over its cap of "
+                          f"{log.max_bytes >> 20} MiB with every closed part coarser already: "
+                          "it grows on (every iteration is kept)")
 
     def _log_quality(self, live: _Live) -> None:
         """A ``quality`` record for every source whose counters moved since the last one
@@ -411,7 +445,8 @@ class MonitorSession:
                 continue
             try:
                 log = EventLogWriter(out, names.log_stem,
-                                     part_bytes=self.options.event_log_part_bytes)
+                                     part_bytes=self.options.event_log_part_bytes,
+                                     max_bytes=self.options.event_log_max_bytes)
             except FileExistsError:
                 out.unlink(names.summary)
                 continue

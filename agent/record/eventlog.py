@@ -14,6 +14,13 @@ Parts: the log starts as ``perf_events_<ts>.msgpack``; once a part holds
 ``log_part`` record. A week-long run thus leaves files of bounded size, and
 ``summarize`` reads the parts of one log together.
 
+A cap on all the parts together (``max_bytes``, default 2 GiB): when a new part
+begins and the parts hold more, the oldest part not yet made coarser is rewritten
+coarser in a background thread (perfmon.agent.record.coarsen: every iteration's
+row kept, samples merged to one a minute, spans and raw markers dropped), never
+deleted; ``take_coarsened`` hands its ``coarsened`` record to the session, whose
+summary says so. Once every closed part is coarser the log grows on (``over_cap``).
+
 Write failures (a full disk or quota, a filesystem gone read-only) never stop
 the session: records wait in memory uncompressed (up to ``backlog_bytes``, then the
 oldest are dropped and counted; a block already compressed is never dropped, as
@@ -24,18 +31,23 @@ what failed last, ``dropped_records`` what was lost.
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from typing import Any
 
 import msgpack
 import zstandard
+from perfmon.agent.record.coarsen import coarsen_part
 from perfmon.agent.record.layout import log_part
 from perfmon.agent.record.outputs import WRITE_ERRNOS, OutputDir
+from perfmon.parsers.errors import EventLogError
 from perfmon.probes.sampler import monotonic_ns
 
 FLUSH_INTERVAL_NS = 1_000_000_000
 DEFAULT_PART_BYTES = 256 << 20
 DEFAULT_BACKLOG_BYTES = 64 << 20
+DEFAULT_MAX_BYTES = 2048 << 20
+COARSEN_JOIN_S = 60.0  # at close, how long a coarsening under way may take to finish
 # zstd level 9 with a 4 MiB window (a second of records is a few KiB: level 9 costs
 # nothing here and finds ~15% more than level 3); readers refuse larger windows
 # (perfmon.parsers.log_stream.MAX_ZSTD_WINDOW_BYTES), so a crafted log cannot make them
@@ -50,16 +62,23 @@ class EventLogWriter:
     """
 
     def __init__(self, out: OutputDir, stem: str, *, part_bytes: int = DEFAULT_PART_BYTES,
-                 backlog_bytes: int = DEFAULT_BACKLOG_BYTES) -> None:
+                 backlog_bytes: int = DEFAULT_BACKLOG_BYTES,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.out = out
         self.stem = stem
         self.part_bytes = part_bytes
         self.backlog_bytes = backlog_bytes
+        self.max_bytes = max_bytes
         self.part = 0
         self.error: OSError | None = None
         self.dropped_records = 0
+        self.over_cap = False  # every closed part is coarser, and the log is over its cap
+        self.coarsen_error: str | None = None
         self._fd = out.create_append(log_part(stem, 0))
-        self._part_size = 0
+        self._sizes = [0]  # bytes of each part (the last: the one being written)
+        self._coarser: set[int] = set()  # parts rewritten coarser (or being)
+        self._coarsening: threading.Thread | None = None
+        self._coarsened: deque[dict[str, Any]] = deque()  # for take_coarsened
         self._packer = msgpack.Packer()
         self._pending: deque[bytes] = deque()  # packed records not yet compressed
         self._pending_bytes = 0
@@ -96,7 +115,7 @@ class EventLogWriter:
         try:
             while self._out or self._pending:
                 if not self._out:
-                    if self._part_size >= self.part_bytes:
+                    if self._sizes[-1] >= self.part_bytes:
                         self._next_part()
                     # One complete block: what a reader decodes if the agent dies now.
                     self._out = (self._stream.compress(b"".join(self._pending))
@@ -104,7 +123,7 @@ class EventLogWriter:
                     self._pending.clear()
                     self._pending_bytes = 0
                 written = os.write(self._fd, self._out)
-                self._part_size += written
+                self._sizes[-1] += written
                 self._out = self._out[written:]
         except OSError as err:
             if err.errno not in WRITE_ERRNOS:
@@ -122,20 +141,61 @@ class EventLogWriter:
         except OSError:
             pass  # readers do without the frame's end; the next part is what matters
         os.close(self._fd)
-        self._fd, self._part_size = fd, 0
+        self._fd = fd
+        self._sizes.append(0)
         self._stream = self._new_stream()
         self.part += 1
+        self._coarsen_if_over()
         marker = self._packer.pack({"type": "log_part", "t_mono_ns": monotonic_ns(),
                                     "part": self.part})
         self._pending.appendleft(marker)
         self._pending_bytes += len(marker)
+
+    # -- the cap -------------------------------------------------------------------------
+
+    def _coarsen_if_over(self) -> None:
+        """Over the cap: rewrite the oldest closed part not yet coarser (one at a time)."""
+        if self._coarsening is not None and self._coarsening.is_alive():
+            return
+        if sum(self._sizes) <= self.max_bytes:
+            return
+        todo = [i for i in range(len(self._sizes) - 1) if i not in self._coarser]
+        self.over_cap = not todo
+        if todo:
+            self._coarser.add(todo[0])
+            self._coarsening = threading.Thread(target=self._coarsen, args=(todo[0],),
+                                                name="perfmon-coarsen", daemon=True)
+            self._coarsening.start()
+
+    def _coarsen(self, part: int) -> None:
+        try:
+            record, size = coarsen_part(self.out, log_part(self.stem, part), part, monotonic_ns,
+                                        self._new_stream)
+        except (OSError, EventLogError) as err:
+            self.coarsen_error = f"{log_part(self.stem, part)}: {err}"
+            return
+        self._sizes[part] = size
+        self._coarsened.append(record)
+
+    def take_coarsened(self) -> list[dict[str, Any]]:
+        """The ``coarsened`` records of the parts rewritten since the last call."""
+        taken = []
+        while self._coarsened:
+            taken.append(self._coarsened.popleft())
+        return taken
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._sizes)
 
     def _end_stream(self) -> None:
         """The zstd frame's end (a few bytes; readers do without it: a killed agent's
         stream has none). Raises OSError."""
         end = self._stream.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH)
         while end:
-            end = end[os.write(self._fd, end):]
+            written = os.write(self._fd, end)
+            self._sizes[-1] += written
+            end = end[written:]
 
     def close(self) -> bool:
         """Flush, fsync and close; False when records could not be written."""
@@ -152,4 +212,6 @@ class EventLogWriter:
             self.error, ok = err, False
         os.close(self._fd)
         self._fd = -1
+        if self._coarsening is not None:
+            self._coarsening.join(COARSEN_JOIN_S)
         return ok

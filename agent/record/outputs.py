@@ -162,12 +162,44 @@ class OutputDir:
         fd = self._create(tmp)
         try:
             try:
-                _write_all(fd, data)
+                write_all(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
             yield tmp
         finally:
+            try:
+                os.unlink(tmp, dir_fd=self.fd)
+            except FileNotFoundError:
+                pass
+
+    def open_read(self, name: str) -> int:
+        """A read fd of the regular file ``name`` (never through a link, never blocking
+        on a FIFO); OSError when it is absent or no regular file."""
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=self.fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file", name)
+        return fd
+
+    @contextmanager
+    def rewrite(self, name: str) -> Iterator[int]:
+        """A fresh temporary file's fd to write ``name``'s new content into: once the block
+        ends without error it is fsynced and replaces ``name`` atomically (readers see
+        the old file or the new one); otherwise it is removed."""
+        tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+        fd = self._create(tmp)
+        try:
+            yield fd
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            os.fsync(self.fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
             try:
                 os.unlink(tmp, dir_fd=self.fd)
             except FileNotFoundError:
@@ -262,7 +294,7 @@ def unique_names(stem: str, suffix: str) -> Iterator[str]:
         yield f"{stem}_{n}{suffix}"
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         written = os.write(fd, view)

@@ -21,7 +21,7 @@ from perfmon.agent.record.layout import log_parts
 from perfmon.agent.record.summary import build_summary, check_summary, facts_filter
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.errors import EventLogError, InputFileError
-from perfmon.parsers.events import EventLogReader
+from perfmon.parsers.log_reader import EventLogReader
 from perfmon.parsers.workload import Workload
 from perfmon.probes.files import open_user_file
 
@@ -87,7 +87,7 @@ def replay(parts: list[Path], start: Callable[[dict[str, Any]], Callable[[dict[s
     A later part owned by anyone but root, this user or the first part's owner is
     not read (a warning).
     Records go from the decoder to the sink directly (perfmon.parsers.events.
-    EventLogReader.read_into): no generator in between, so a big log streams fast.
+    log_reader.EventLogReader.read_into): no generator in between, so a big log streams fast.
     """
     warnings: list[str] = []
     skipped, unknown, problem, tail_cut, last_ns = 0, 0, None, False, 0

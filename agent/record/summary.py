@@ -60,6 +60,8 @@ class SessionInfo(TypedDict, total=False):
         "log_truncated", "command_exited", "ranks_changed", "yielded"] | None
     event_log: str | None
     event_log_parts: int | None
+    step_rows: bool | None  # iteration ends logged as rows (steps records), not markers
+    event_log_coarsened: dict[str, Any] | None
     iteration_logs_max_entries: int | None
     iteration_logs_kept_one_in: int | None
     log_interval: int | None

@@ -6,12 +6,15 @@ it each record as it logs it, and ``perfmon-agent summarize`` feeds it the same
 records read back from the log, so both give the same numbers. Adding a metric
 means one record type (perfmon.parsers.events) and one reducer here.
 
-- iterations.IterationClock: markers -> iterations, step times, the job's numbering
+- steps.StepRows: markers -> one row per rank and iteration end (older logs; the live
+  session logs the rows)
+- iterations.IterationClock: the primary's rows -> iterations, step times, the job's numbering
 - intervals.Intervals: iteration_logs entries (and their thinning)
 - phases.PhaseAccount: where each iteration's time goes
 - resources.Resources: memory and GPU series, GPU events
 - cuda.CudaActivity: CUDA/NCCL per iteration
-- quality.DataQuality, quality.Hangs: what sources missed; hangs
+- quality.DataQuality, quality.Hangs, quality.Coarsening: what sources missed; hangs;
+  what of the log was made coarser
 - exits.Exits: how each rank ended, and the job's cause
 - ranks.RankTimes: every rank's step, wait and compute; stragglers
 - failslow.FailSlow: sustained shifts of the step time, and recoveries
@@ -29,9 +32,12 @@ from perfmon.agent.reducers.failslow import FailSlow
 from perfmon.agent.reducers.intervals import DEFAULT_MAX_LOG_ENTRIES, Intervals
 from perfmon.agent.reducers.iterations import IterationClock
 from perfmon.agent.reducers.phases import PhaseAccount
-from perfmon.agent.reducers.quality import DataQuality, Hangs
+from perfmon.agent.reducers.quality import Coarsening, DataQuality, Hangs
 from perfmon.agent.reducers.ranks import RankTimes
 from perfmon.agent.reducers.resources import Resources
+from perfmon.agent.reducers.steps import RowSource
+from perfmon.parsers.events import BY_TYPE
+from perfmon.parsers.step_rows import decode_steps
 from perfmon.parsers.workload import Workload
 
 __all__ = ["DEFAULT_MAX_LOG_ENTRIES", "Summarizer", "rank_map"]
@@ -66,13 +72,15 @@ class Summarizer:
             cuda_counters=bool((facts.get("cuda") or {}).get("available", False)),
             max_log_entries=facts.get("iteration_logs_max_entries"),
             ranks=rank_map(facts),
+            step_rows=bool(facts.get("step_rows")),
         )
 
     def __init__(self, workload: Workload, primary_pid: int, start_t_mono_ns: int,
                  start_wall_s: float, log_interval: int = 10, *, stack_sampling: bool = False,
                  phases_continuous: bool = True, cuda_counters: bool = False,
                  max_log_entries: int | None = DEFAULT_MAX_LOG_ENTRIES,
-                 ranks: dict[int, int | None] | None = None) -> None:
+                 ranks: dict[int, int | None] | None = None,
+                 step_rows: bool = False) -> None:
         self.workload = workload
         self.start_t_mono_ns = start_t_mono_ns
         self.start_wall_s = start_wall_s
@@ -80,11 +88,12 @@ class Summarizer:
         self.end_reason: str | None = None
         self.lost_events = 0
         self.phases = PhaseAccount(bursts=stack_sampling and not phases_continuous)
-        self.clock = IterationClock(workload, primary_pid, start_t_mono_ns, self.phases)
+        self.clock = IterationClock(workload, primary_pid, start_t_mono_ns)
         self.resources = Resources(self.wall_time)
         self.cuda = CudaActivity(primary_pid) if cuda_counters else None
         self.quality = DataQuality()
         self.hangs = Hangs(self.wall_time)
+        self.coarsening = Coarsening(self.wall_time, frozenset(BY_TYPE))
         self.exits = Exits(self.wall_time)
         self.ranks = RankTimes(ranks or {primary_pid: None}, primary_pid, start_t_mono_ns,
                                self.wall_time)
@@ -99,9 +108,12 @@ class Summarizer:
         self._waiting = self.intervals.waiting  # entries waiting for later records
         self._primary = primary = primary_pid
         phase_feed = self.phases.feed_phase
+        # An older log's markers become rows here (None: the log has its rows).
+        rows = self._rows = None if step_rows else RowSource(start_t_mono_ns)
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
             "marker": self._on_marker,
-            "waits": self.ranks.on_waits,
+            "waits": rows.feed if rows is not None else lambda _r: None,
+            "steps": self._on_steps,
             "phase": lambda r: phase_feed(r) if r["pid"] == primary else None,
             "process": self._on_process,
             "gpu": self.resources.on_gpu,
@@ -112,6 +124,7 @@ class Summarizer:
             "hang_recovered": self.hangs.on_recovered,
             "quality": self._on_quality,
             "rank_exit": self.exits.on_exit,
+            "coarsened": self._on_coarsened,
             "session_end": self._on_end,
         }
         self._handlers["cuda"] = self._on_cuda
@@ -121,6 +134,7 @@ class Summarizer:
     def feed(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one record; return the iteration_logs entries it completed."""
         kind = record["type"]
+        self._take_rows(kind)
         handler = self._handlers.get(kind)
         if handler is not None:
             handler(record)
@@ -144,13 +158,40 @@ class Summarizer:
             entries)
 
     def _on_marker(self, record: dict[str, Any]) -> None:
-        self.ranks.on_marker(record)
-        if record["pid"] != self._primary:  # most markers on a node: other ranks'
+        # (A log with rows has only raw markers, which its rows already count.)
+        if self._rows is not None:
+            self._rows.feed(record)
+
+    def _take_rows(self, kind: str = "") -> None:
+        """Reduce the rows made of an older log's markers so far (a block: before a
+        record of another type, and before anything is read)."""
+        steps = self._rows.take_before(kind) if self._rows is not None else None
+        if steps is not None:
+            self._on_steps(steps)
+
+    def _on_steps(self, record: dict[str, Any]) -> None:
+        block = decode_steps(record)
+        self.ranks.on_rows(block)
+        mine = block.pid == self._primary
+        if not mine.any():
             return
-        it = self.clock.on_marker(record)
-        if it is not None:
-            self.intervals.on_iteration(it)
-            self.failslow.on_iteration(it.end_t_mono_ns, it.step_time_ns)
+        hows = block.hows
+        for end, micro, how, backward in zip(
+                block.end_ns[mine].tolist(), block.micro[mine].tolist(),
+                block.how[mine].tolist(), block.backward_ns[mine].tolist(), strict=True):
+            if micro >= 0:  # (backward() probed)
+                self.phases.add_backward(end, backward)
+            it = self.clock.on_row(end, micro if micro >= 0 else None, hows[how])
+            if it is not None:
+                self.ranks.on_primary_iteration(end)
+                self.intervals.on_iteration(it)
+                self.failslow.on_iteration(end, it.step_time_ns)
+
+    def _on_coarsened(self, record: dict[str, Any]) -> None:
+        self.coarsening.on_coarsened(record)
+        if record["dropped"].get("phase"):
+            self.phases.unsampled_until_ns = max(self.phases.unsampled_until_ns,
+                                                 record["until_mono_ns"])
 
     def _on_process(self, record: dict[str, Any]) -> None:
         self.resources.on_process(record)
@@ -180,17 +221,21 @@ class Summarizer:
 
     @property
     def iteration_logs(self) -> list[dict[str, Any]]:
+        self._take_rows()
         return self._numbered(self.intervals.entries)
 
     @property
     def iterations_ended(self) -> int:
+        self._take_rows()
         return self.clock.iterations_ended
 
     @property
     def last_end_t_mono_ns(self) -> int | None:
+        self._take_rows()
         return self.clock.last_end_t_mono_ns
 
     def recent_median_step_ns(self) -> float | None:
+        self._take_rows()
         return self.clock.recent_median_step_ns()
 
     def wall_time(self, t_mono_ns: int) -> str:
@@ -200,6 +245,7 @@ class Summarizer:
 
     def session_fields(self) -> dict[str, Any]:
         """What the records add to session_info."""
+        self._take_rows()
         fields: dict[str, Any] = {
             "end_time": (self.wall_time(self.end_t_mono_ns)
                          if self.end_t_mono_ns is not None else None),
@@ -209,6 +255,7 @@ class Summarizer:
             "hung": self.hangs.hung,
             "iteration_logs_kept_one_in": self.intervals.log_stride,
             "exit": self.exits.summary(),
+            "event_log_coarsened": self.coarsening.summary(),
         }
         if self.clock.job.offset is not None:
             fields["iteration_numbering"] = "job_counter"
@@ -216,6 +263,7 @@ class Summarizer:
         return fields
 
     def final_statistics(self) -> dict[str, Any]:
+        self._take_rows()
         samples_s, tokens_s, tflops = self.clock.totals.rates(self.workload.world_size)
         peak = self.workload.peak_tflops
         steps = self.clock.summary()

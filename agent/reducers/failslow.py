@@ -251,8 +251,9 @@ class FailSlow:
             return []
         out = []
         for r in self.ranks.all():
-            before = [(s, w) for t, s, w in r.recent if before_from <= t - s and t <= change_ns]
-            after = [(s, w) for t, s, w in r.recent if t - s >= change_ns]
+            recent = r.recent
+            before = [(s, w) for t, s, w in recent if before_from <= t - s and t <= change_ns]
+            after = [(s, w) for t, s, w in recent if t - s >= change_ns]
             if not before or not after:
                 continue
 

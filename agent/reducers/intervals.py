@@ -70,7 +70,7 @@ class Intervals:
         start = end - totals.step_ns
         entry.update(self.resources.interval(start, end))
         if self.ranks is not None:
-            entry["ranks"] = self.ranks.interval()
+            entry["ranks"] = self.ranks.interval(end)
         self.resources.prune(end)
         self._pending.append((entry, start, end, len(its)))
 

@@ -1,12 +1,7 @@
-"""The iteration clock: which markers end an iteration, each iteration's step time and
-work, and the job's own iteration numbering.
-
-An iteration ends at an ``Optimizer.step`` of the primary rank that follows at
-least one ``backward()`` since the previous end. Steps with no backward between
-them (several optimizers stepping in one iteration, e.g. Megatron's chained
-optimizer for MoE) therefore count once. When no backward has been seen at all
-(no Engine::execute probe), every step ends an iteration. The first end after
-attach only opens the window: the partial iteration before it is not measured.
+"""The iteration clock: each iteration's step time and work, from the primary rank's
+step rows (perfmon.agent.reducers.steps says which markers end an iteration), and the
+job's own iteration numbering. The first end after attach only opens the window: the
+partial iteration before it is not measured.
 """
 
 from __future__ import annotations
@@ -18,7 +13,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from perfmon.agent.reducers.phases import PhaseAccount
 from perfmon.parsers.workload import Workload
 
 
@@ -74,49 +68,29 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 
 
 class IterationClock:
-    """Feeds on the primary rank's markers and the job's counter reads.
+    """Feeds on the primary rank's step rows and the job's counter reads.
 
-    ``on_marker`` returns the Iteration a marker completed (or None). Whole-run
+    ``on_row`` returns the Iteration a row completed (or None). Whole-run
     state is compact (8 bytes an iteration) for week-long jobs.
     """
 
-    def __init__(self, workload: Workload, primary_pid: int, start_t_mono_ns: int,
-                 phases: PhaseAccount) -> None:
+    def __init__(self, workload: Workload, primary_pid: int, start_t_mono_ns: int) -> None:
         self.workload = workload
         self.primary_pid = primary_pid
         self.start_t_mono_ns = start_t_mono_ns
-        self.phases = phases  # backward spans go there too
         self.iterations_ended = 0
         self.last_end_t_mono_ns: int | None = None
         self.estimators: dict[str, int] = {}  # iteration ends by how they were found
         self.totals = Totals()
         self._step_ns = array("q")
         self._microbatches = array("q")
-        self._backwards_since_end = 0
-        self._backward_seen = False
         self._recent_ends: deque[int] = deque(maxlen=1024)
         self.job = JobNumbering(self)
 
-    def on_marker(self, record: dict[str, Any]) -> Iteration | None:
-        t_ns = record["t_mono_ns"]
-        # Markers from before the probes were all attached fall outside the window.
-        if record["pid"] != self.primary_pid or t_ns < self.start_t_mono_ns:
-            return None
-        kind = record["kind"]
-        if kind == "backward_enter":
-            self._backwards_since_end += 1
-            self._backward_seen = True
-            self.phases.backward_enter(t_ns)
-            return None
-        if kind == "backward_exit":
-            self.phases.backward_exit(t_ns)
-            return None
-        if kind != "optimizer_step":
-            return None
-        if self._backward_seen and self._backwards_since_end == 0:
-            return None  # another optimizer of the same iteration
-        micro = self._backwards_since_end if self._backward_seen else None
-        self._backwards_since_end = 0
+    def on_row(self, t_ns: int, micro: int | None, how: str) -> Iteration | None:
+        """The iteration the primary rank's step row (perfmon.agent.reducers.steps) ended
+        (``micro`` None: no backward() seen); None for the first, which only opens the
+        window."""
         self.iterations_ended += 1
         self._recent_ends.append(t_ns)
         self.job.on_end(t_ns)
@@ -124,10 +98,7 @@ class IterationClock:
         if previous_end is None:
             return None  # the partial iteration that was running at attach
         # How this end was found: uprobes (exact), or py-spy's estimators
-        # (perfmon.parsers.sampled_iterations), named by the marker.
-        name = record["name"]
-        how = ((name.partition(":")[2] or "optimizer_frame") if name.startswith("pyspy")
-               else "uprobe")
+        # (perfmon.parsers.sampled_iterations).
         self.estimators[how] = self.estimators.get(how, 0) + 1
         w = self.workload
         samples = w.samples(micro)

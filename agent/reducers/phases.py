@@ -10,7 +10,8 @@ Two sources, combined per window of iterations:
 With both, backward is the exact uprobe time and the rest of the window is
 shared out in the proportions the samples show for the other phases. With
 samples only, every phase comes from samples; with uprobes only, backward is
-exact and the rest is ``other``. Shares always add up to 1.
+exact and the rest is ``other``. Shares always add up to 1. A window without samples
+in a part of the log made coarser (its spans dropped) has no phases.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ class PhaseAccount:
     def __init__(self, bursts: bool = False) -> None:
         self.bursts = bursts
         self._spans: list[tuple[int, int, str]] = []  # (start, end, phase), sampled
-        self._backward: list[tuple[int, int]] = []  # (enter, exit), uprobes
-        self._backward_open: int | None = None
+        self._backward: list[tuple[int, int]] = []  # (iteration end, ns in backward), uprobes
         self.watermark_ns = 0  # samples cover the primary thread up to here
+        self.unsampled_until_ns = 0  # a part of the log made coarser: its spans dropped
         self.sampled = False
         self.probed = False
         self.total_ns = dict.fromkeys(PHASES, 0)
@@ -45,30 +46,25 @@ class PhaseAccount:
         self._spans.append((start_ns, end_ns, phase))
         self.watermark_ns = max(self.watermark_ns, end_ns)
 
-    def backward_enter(self, t_ns: int) -> None:
+    def add_backward(self, end_ns: int, backward_ns: int) -> None:
+        """The time in backward() (uprobes) of the iteration that ended at ``end_ns``."""
         self.probed = True
-        if self._backward_open is None:  # nested backward() calls count once
-            self._backward_open = t_ns
-
-    def backward_exit(self, t_ns: int) -> None:
-        if self._backward_open is not None:
-            self._backward.append((self._backward_open, t_ns))
-            self._backward_open = None
+        self._backward.append((end_ns, backward_ns))
 
     def feed_phase(self, record: dict[str, Any]) -> None:
         """A ``phase`` record (spans of other ranks than the primary are not fed here)."""
         self.add_span(record["t_mono_ns"], record["end_mono_ns"], record["phase"])
 
     def window_ns(self, start_ns: int, end_ns: int) -> dict[str, int] | None:
-        """Nanoseconds per phase in [start, end]; None without any source. (Pure.)"""
+        """Nanoseconds per phase in [start, end] (the ends of iterations); None without any
+        source. (Pure.)"""
         length = end_ns - start_ns
         sampled = dict.fromkeys(PHASES, 0)
         for s0, s1, phase in self._spans:
             sampled[phase] += _overlap(s0, s1, start_ns, end_ns)
-        backward = sum(_overlap(b0, b1, start_ns, end_ns) for b0, b1 in self._backward)
-        if self._backward_open is not None:
-            backward += _overlap(self._backward_open, end_ns, start_ns, end_ns)
-        if not any(sampled.values()) and (not self.probed or self.bursts):
+        backward = sum(ns for end, ns in self._backward if start_ns < end <= end_ns)
+        if not any(sampled.values()) and (not self.probed or self.bursts
+                                          or end_ns <= self.unsampled_until_ns):
             return None
         if not self.probed:
             result = sampled
@@ -92,7 +88,7 @@ class PhaseAccount:
     def prune(self, before_ns: int) -> None:
         """Forget spans that end before ``before_ns`` (windows are asked in time order)."""
         self._spans = [s for s in self._spans if s[1] > before_ns]
-        self._backward = [b for b in self._backward if b[1] > before_ns]
+        self._backward = [b for b in self._backward if b[0] > before_ns]
 
     def record(self, per_phase_ns: dict[str, int] | None, iterations: int) -> None:
         if per_phase_ns is None:

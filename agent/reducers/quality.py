@@ -76,3 +76,47 @@ class Hangs:
     @property
     def hung(self) -> bool:
         return bool(self.hangs) and self.hangs[-1]["recovered_at"] is None
+
+
+def _count(value: object) -> int | None:
+    return value if type(value) is int and 0 <= value < 1 << 62 else None
+
+
+class Coarsening:
+    """The parts of the log made coarser once it outgrew its cap (``coarsened`` records,
+    perfmon.agent.record.coarsen): ``session_info.event_log_coarsened``. A crafted
+    record's counts are taken only for known record types and in range."""
+
+    def __init__(self, wall_time: Callable[[int], str], known_types: frozenset[str]) -> None:
+        self.wall_time, self.known_types = wall_time, known_types
+        self.parts = 0
+        self.interval_s = 0
+        self.span: tuple[int, int] | None = None
+        self.merged: dict[str, list[int]] = {}
+        self.dropped: dict[str, int] = {}
+
+    def on_coarsened(self, record: dict[str, Any]) -> None:
+        self.parts += 1
+        self.interval_s = max(1, _count(record["interval_s"]) or 1)
+        a, b = record["from_mono_ns"], record["until_mono_ns"]
+        self.span = (min(a, self.span[0]), max(b, self.span[1])) if self.span else (a, b)
+        for kind, counts in record["merged"].items():
+            if (kind not in self.known_types or not isinstance(counts, (list, tuple))
+                    or len(counts) != 2):
+                continue
+            seen, kept = _count(counts[0]), _count(counts[1])
+            if seen is not None and kept is not None:
+                total = self.merged.setdefault(kind, [0, 0])
+                total[0] += seen
+                total[1] += kept
+        for kind, n in record["dropped"].items():
+            if kind in self.known_types and _count(n) is not None:
+                self.dropped[kind] = self.dropped.get(kind, 0) + n
+
+    def summary(self) -> dict[str, Any] | None:
+        if not self.parts or self.span is None:
+            return None
+        return {"parts": self.parts, "from": self.wall_time(self.span[0]),
+                "until": self.wall_time(self.span[1]), "merged_per_s": self.interval_s,
+                "merged": {k: {"records": a, "kept": b} for k, (a, b) in self.merged.items()},
+                "dropped": dict(self.dropped)}

@@ -7,15 +7,13 @@ blocked waiting (``wait``: inside c10d ``Work::wait`` or DDP's
 step snapshots) and the rest (``compute = step - wait``). A straggler is the rank
 whose compute stands out.
 
-Iteration ends per rank follow the iteration clock's rule (an ``optimizer_step``
-after a ``backward()``, every step when no backward was seen). The collective wait
-of an iteration is the difference of the rank's ``waits`` totals at its two ends
-(the probes add each thread's wait, nested calls once, when it returns; the thread
-stepping the optimizer is in no wait, so a wait whose return was lost ends there).
-A log without ``waits`` records (an older agent's) gives it from the
-``wait_enter``/``wait_exit`` markers: the union over the rank's threads (a nested or
-concurrent wait counts once), a wait open at an iteration end split there. Either
-way the wait counted in an iteration is at most its step.
+Each rank's iterations come as step rows (perfmon.agent.reducers.steps: the same
+rule of an iteration end for every rank, and the time blocked on collectives in
+it), a block at a time: the step is the time from the rank's previous end, the wait
+the row's plus the CUDA synchronising wait of its step snapshots up to its end, at
+most the step. Each rank keeps its last HISTORY rows as arrays; evaluations and
+interval means cut them at their own instant, so how rows are grouped into blocks
+does not change what they find.
 
 The straggler rule (``StragglerRule``), evaluated every ``every`` (10) iterations of
 the primary rank on each rank's last ``window`` (50) iterations: with c_r the median
@@ -35,12 +33,15 @@ steps a straggler is named ~15 s after it starts (a 50-iteration window, then 10
 
 from __future__ import annotations
 
-import itertools
+import functools
 import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+from perfmon.parsers.step_rows import StepBlock
 
 MAD_TO_SIGMA = 1.4826
 MAX_EPISODES = 500  # the most recent kept (a week of a flapping rank stays bounded)
@@ -57,47 +58,116 @@ class StragglerRule:
     hold_s: float = 10.0  # ... and outlying for this long to open one
 
 
+HISTORY = 4096  # rows kept per rank (the minute around a fail-slow change at 15 ms steps)
+CUDA_MATCH_NS = 1_000_000  # a step snapshot and the row of the same Optimizer.step
+
+
+_END, _STEP, _WAIT, _SUM_STEP, _SUM_WAIT = range(5)
+
+
+def _history() -> np.ndarray:
+    return np.zeros((0, 5), dtype=np.int64)  # (grown as rows come: a log may name 100,000)
+
+
 @dataclass
 class _Rank:
     pid: int
     rank: int | None
     last_end: int | None = None
-    backward_seen: bool = False
-    backwards_since_end: int = 0
-    depth: dict[int, int] = field(default_factory=dict)  # tid -> nested waits open
-    open_threads: int = 0
-    open_since: int = 0  # union of waits: since when some thread waits
-    wait_pending_ns: int = 0  # wait in the iteration in progress
     cuda_sync_ns: int | None = None  # the last step snapshot's cumulative sync wait
-    waits_ns: int | None = None  # the latest ``waits`` total (None: none seen, markers count)
-    waits_at_end_ns: int | None = None  # ... at the last iteration end
-    # (end, step, wait) of the last iterations; sums over all and since the last interval
-    # (enough for the minute around a fail-slow change at 15 ms steps)
-    recent: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=4096))
-    n: int = 0
-    step_ns: int = 0
-    wait_ns: int = 0
-    interval: list[int] = field(default_factory=lambda: [0, 0, 0])  # n, step, wait
+    cuda: list[tuple[int, int]] = field(default_factory=list)  # (t, sync wait) not in a row
+    # The last rows (``kept`` of them; the history's columns: end, step, wait and the
+    # running sums of step and wait), after ``dropped`` trimmed from the front, whose
+    # sums ``base`` holds. (One array, grown to 2 x HISTORY: a block's rows in one copy.)
+    history: np.ndarray = field(default_factory=_history)
+    kept: int = 0
+    dropped: int = 0
+    base: tuple[int, int] = (0, 0)
+    cut: tuple[int, int, int] = (0, 0, 0)  # (n, step, wait) at the last interval
     cpu: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=64))
     outlying: int = 0  # evaluations in a row (negative: not outlying)
     outlying_since: int = 0  # the first of them
 
+    @property
+    def n(self) -> int:
+        return self.dropped + self.kept
+
+    @property
+    def ends(self) -> np.ndarray:
+        return self.history[:self.kept, _END]
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self.history[:self.kept, _STEP]
+
+    @property
+    def waits(self) -> np.ndarray:
+        return self.history[:self.kept, _WAIT]
+
+    def totals_at(self, i: int) -> tuple[int, int, int]:
+        """(rows, step, wait) summed over the rows before history index ``i``."""
+        if i == 0:
+            return self.dropped, *self.base
+        row = self.history[i - 1]
+        return self.dropped + i, int(row[_SUM_STEP]), int(row[_SUM_WAIT])
+
+    def at(self, t: int) -> int:
+        """History index just past the rows that ended at or before ``t``."""
+        return int(self.ends.searchsorted(t, "right"))
+
+    @property
+    def recent(self) -> list[tuple[int, int, int]]:
+        """(end, step, wait) of the rows kept."""
+        return [tuple(row) for row in self.history[:self.kept, :_SUM_STEP].tolist()]
+
+    def add(self, rows: np.ndarray) -> None:
+        """Keep rows of (end, step, wait)."""
+        k = len(rows)
+        if self.kept + k > len(self.history) < 2 * HISTORY:
+            grown = np.zeros((min(2 * HISTORY, max(64, 2 * (self.kept + k))), 5), np.int64)
+            grown[:self.kept] = self.history[:self.kept]
+            self.history = grown
+        if self.kept + k > len(self.history):  # keep the last HISTORY (or this block)
+            keep = max(0, min(self.kept, HISTORY, len(self.history) - k))
+            drop = self.kept - keep
+            if drop:
+                last = self.history[drop - 1]
+                self.base = int(last[_SUM_STEP]), int(last[_SUM_WAIT])
+            if k > len(self.history):
+                self.history = np.zeros((k, 5), dtype=np.int64)
+            else:
+                self.history[:keep] = self.history[drop:self.kept]
+            self.dropped, self.kept = self.dropped + drop, keep
+        _, step0, wait0 = self.totals_at(self.kept)
+        block = self.history[self.kept:self.kept + k]
+        block[:, :_SUM_STEP] = rows
+        np.cumsum(rows[:, _STEP:], axis=0, out=block[:, _SUM_STEP:])
+        block[:, _SUM_STEP:] += (step0, wait0)
+        self.kept += k
+
 
 def _median(values: list[int]) -> float:
-    """statistics.median of a non-empty list, without its generality (hot: every
-    evaluation takes four per rank)."""
+    """statistics.median of a non-empty list, without its generality (hot)."""
     values.sort()
     mid = len(values) // 2
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def _last(items: deque[tuple[int, int, int]], n: int) -> list[tuple[int, int, int]]:
-    """The last ``n`` of a deque, without copying the rest."""
-    return list(itertools.islice(reversed(items), n))
+def _middle(a: np.ndarray) -> np.ndarray:
+    """The medians along the second axis (numpy's median less its overhead: hot)."""
+    a = np.sort(a, axis=1)
+    n = a.shape[1]
+    return (a[:, (n - 1) // 2] + a[:, n // 2]) / 2
+
+
+@functools.lru_cache(maxsize=64)
+def _others(n: int) -> np.ndarray:
+    """Row i: the indices of 0..n-1 but i (each rank's others)."""
+    return np.array([[j for j in range(n) if j != i] for i in range(n)], dtype=np.intp)
 
 
 class RankTimes:
-    """Feed markers, cuda snapshots and process samples of every rank."""
+    """Feed step rows, cuda snapshots and process samples of every rank."""
 
     def __init__(self, ranks: dict[int, int | None], primary_pid: int, start_t_mono_ns: int,
                  wall_time: Callable[[int], str], rule: StragglerRule | None = None) -> None:
@@ -119,55 +189,46 @@ class RankTimes:
 
     # -- feeding -------------------------------------------------------------------------
 
-    def on_marker(self, record: dict[str, Any]) -> None:
-        t = record["t_mono_ns"]
-        if t < self.start_t_mono_ns:
-            return
-        # (every marker of every rank comes here: no call for the usual case)
-        r, kind = self._ranks.get(record["pid"]) or self._rank(record["pid"]), record["kind"]
-        if kind in ("wait_enter", "wait_exit") and r.waits_ns is not None:
-            return  # raw waits beside the totals (asked for): already in them
-        if kind == "wait_enter":
-            depth = r.depth.get(record["tid"], 0)
-            r.depth[record["tid"]] = depth + 1
-            if depth == 0:
-                if r.open_threads == 0:
-                    r.open_since = t
-                r.open_threads += 1
-        elif kind == "wait_exit":
-            depth = r.depth.get(record["tid"], 0)
-            if depth == 0:
-                return  # entered before attach
-            r.depth[record["tid"]] = depth - 1
-            if depth == 1:
-                self._thread_left_wait(r, t)
-        elif kind == "backward_enter":
-            r.backwards_since_end += 1
-            r.backward_seen = True
-        elif kind == "optimizer_step":
-            # The thread stepping the optimizer is in no wait: one whose exit was lost
-            # (a return probe attached just after the call began) ends here.
-            if r.depth.get(record["tid"]):
-                r.depth[record["tid"]] = 0
-                self._thread_left_wait(r, t)
-            if r.backward_seen and r.backwards_since_end == 0:
-                return
-            r.backwards_since_end = 0
-            self._end(r, t)
+    def on_rows(self, block: StepBlock) -> None:
+        """Every rank's rows of a ``steps`` block (grouped by rank in a few array calls:
+        this runs for every rank-iteration of a replayed week)."""
+        order = np.argsort(block.pid, kind="stable")
+        pids = block.pid[order]
+        ends, waits = block.end_ns[order], block.wait_ns[order]
+        starts = np.flatnonzero(np.concatenate(([True], pids[1:] != pids[:-1])))
+        previous = np.concatenate((ends[:1], ends[:-1]))
+        bounds = [*starts.tolist(), len(pids)]
+        ranks = []
+        for a, b, pid in zip(bounds, bounds[1:], pids[starts].tolist(), strict=False):
+            r = self._ranks.get(pid) or self._rank(pid)
+            ranks.append(r)
+            if r.cuda:
+                waits[a:b] += self._cuda_waits(r, ends[a:b])
+            # (the partial iteration at attach: its first row, a step of 0, not kept)
+            previous[a] = ends[a] if r.last_end is None else r.last_end
+        # (a row that came late counts as a step of 0)
+        steps = np.maximum(ends - previous, 0)
+        rows = np.stack((ends, steps, np.minimum(waits, steps)), axis=1)
+        for a, b, r in zip(bounds, bounds[1:], ranks, strict=False):
+            first = a + 1 if r.last_end is None else a
+            r.last_end = max(int(ends[b - 1]), r.last_end or 0)
+            if first < b:
+                r.add(rows[first:b])
 
     @staticmethod
-    def _thread_left_wait(r: _Rank, t: int) -> None:
-        r.open_threads -= 1
-        if r.open_threads == 0:
-            r.wait_pending_ns += t - r.open_since
-
-    def on_waits(self, record: dict[str, Any]) -> None:
-        """A rank's running wait total, logged just before its Optimizer.step marker."""
-        r = self._rank(record["pid"])
-        if r.waits_ns is None:  # from now on the totals count, not the markers
-            r.depth.clear()
-            r.open_threads = 0
-        r.waits_ns = record["wait_ns"]
+    def _cuda_waits(r: _Rank, ends: np.ndarray) -> np.ndarray:
+        """The CUDA sync wait of each row: its step snapshots' up to its end."""
+        extra = np.zeros(len(ends), dtype=np.int64)
+        bounds = ends + CUDA_MATCH_NS
+        left = []
+        for t, ns in r.cuda:
+            i = int(bounds.searchsorted(t, "left"))
+            if i < len(ends):
+                extra[i] += ns
+            else:
+                left.append((t, ns))
+        r.cuda = left
+        return extra
 
     def on_cuda(self, record: dict[str, Any]) -> None:
         if not record.get("at_step"):
@@ -175,7 +236,8 @@ class RankTimes:
         r = self._rank(record["pid"])
         total = record["sync_wait_ns"]
         if r.cuda_sync_ns is not None and total >= r.cuda_sync_ns:
-            r.wait_pending_ns += total - r.cuda_sync_ns
+            r.cuda.append((record["t_mono_ns"], total - r.cuda_sync_ns))
+            del r.cuda[:-64]  # (a rank whose rows stopped)
         r.cuda_sync_ns = total
 
     def on_process(self, record: dict[str, Any]) -> None:
@@ -183,50 +245,34 @@ class RankTimes:
             self._rank(record["pid"]).cpu.append(
                 (record["t_mono_ns"], record["cpu_ns"], record["run_delay_ns"]))
 
-    def _end(self, r: _Rank, t: int) -> None:
-        if r.open_threads:  # a wait open across the end: split there
-            r.wait_pending_ns += t - r.open_since
-            r.open_since = t
-        if r.waits_ns is not None:
-            if r.waits_at_end_ns is not None and r.waits_ns >= r.waits_at_end_ns:
-                r.wait_pending_ns += r.waits_ns - r.waits_at_end_ns
-            r.waits_at_end_ns = r.waits_ns
-        previous, r.last_end = r.last_end, t
-        wait, r.wait_pending_ns = r.wait_pending_ns, 0
-        if previous is None:
-            return  # the partial iteration at attach
-        step = t - previous
-        wait = min(wait, step)
-        r.recent.append((t, step, wait))
-        r.n += 1
-        r.step_ns += step
-        r.wait_ns += wait
-        r.interval[0] += 1
-        r.interval[1] += step
-        r.interval[2] += wait
-        if r.pid == self.primary_pid:
-            self._primary_iterations += 1
-            if self._primary_iterations % self.rule.every == 0:
-                self._evaluate(t)
+    def on_primary_iteration(self, t: int) -> None:
+        """The primary rank ended an iteration at ``t`` (its rows are in)."""
+        self._primary_iterations += 1
+        if self._primary_iterations % self.rule.every == 0:
+            self._evaluate(t)
 
     # -- stragglers ----------------------------------------------------------------------
 
     def _evaluate(self, now: int) -> None:
         rule = self.rule
         primary = self._ranks[self.primary_pid]
-        median_step = _median([s for _, s, _ in _last(primary.recent, rule.window)])
-        current: dict[int, tuple[float, float, float]] = {}  # pid -> compute, wait, step (ns)
+        i = primary.at(now)
+        if i == 0:
+            return
+        median_step = _median(primary.steps[max(0, i - rule.window):i].tolist())
+        ranks, windows = [], []
         for r in self._ranks.values():
-            if (len(r.recent) < rule.window // 2 or r.last_end is None
-                    or now - r.last_end > 10 * median_step):
+            i = r.at(now)
+            if (r.dropped + i < rule.window // 2 or i == 0
+                    or now - int(r.history[i - 1, _END]) > 10 * median_step):
                 continue
-            last = _last(r.recent, rule.window)
-            current[r.pid] = (_median([s - w for _, s, w in last]),
-                              _median([w for _, _, w in last]),
-                              _median([s for _, s, _ in last]))
+            ranks.append(r)
+            windows.append(r.history[max(0, i - rule.window):i])
+        current = self._medians(ranks, windows)
+        excess = self._excess(current, median_step)
         for pid, r in self._ranks.items():
-            excess = self._excess(pid, current, median_step)
-            if excess is None:
+            e = excess.get(pid)
+            if e is None:
                 r.outlying = min(r.outlying, 0) - 1
             else:
                 if r.outlying <= 0:
@@ -236,23 +282,40 @@ class RankTimes:
             if (episode is None and r.outlying >= rule.hold
                     and now - r.outlying_since >= rule.hold_s * 1e9):
                 self._open_episode(r, now, current)
-            elif episode is not None and excess is not None:
-                episode["_delays"].append(excess)
+            elif episode is not None and e is not None:
+                episode["_delays"].append(e)
             elif episode is not None and r.outlying <= -rule.hold:
                 self._close_episode(r, now)
 
-    def _excess(self, pid: int, current: dict[int, tuple[float, float, float]],
-                median_step: float) -> float | None:
-        """The rank's excess compute (ns) when it is outlying, else None."""
-        if pid not in current or len(current) < 2:
-            return None
-        others = [c for p, (c, _, _) in current.items() if p != pid]
-        ref = statistics.median(others)
-        spread = MAD_TO_SIGMA * statistics.median(abs(c - ref) for c in others)
+    @staticmethod
+    def _medians(ranks: list[_Rank], windows: list[np.ndarray]
+                 ) -> dict[int, tuple[float, float, float]]:
+        """pid -> the median compute, wait and step (ns) of its rows in its window."""
+        if not windows:
+            return {}
+        if len({len(w) for w in windows}) == 1:  # (usually: one call for all)
+            rows = np.stack(windows)[:, :, [_STEP, _WAIT, _STEP]]
+            rows[:, :, 0] -= rows[:, :, 1]
+            med = _middle(rows).tolist()
+        else:
+            med = [_middle(np.stack((w[:, _STEP] - w[:, _WAIT], w[:, _WAIT], w[:, _STEP])))
+                   .tolist() for w in windows]
+        return {r.pid: (m[0], m[1], m[2]) for r, m in zip(ranks, med, strict=True)}
+
+    def _excess(self, current: dict[int, tuple[float, float, float]],
+                median_step: float) -> dict[int, float]:
+        """pid -> its excess compute (ns), for the ranks outlying now."""
+        if len(current) < 2:
+            return {}
+        pids = list(current)
+        compute = np.array([current[p][0] for p in pids])
+        others = compute[_others(len(pids))]
+        ref = _middle(others)
+        spread = MAD_TO_SIGMA * _middle(np.abs(others - ref[:, None]))
         rule = self.rule
-        excess = current[pid][0] - ref
-        bar = max(rule.k * spread, rule.min_share * median_step, rule.min_ms * 1e6)
-        return excess if excess > bar else None
+        excess = compute - ref
+        bar = np.maximum(rule.k * spread, max(rule.min_share * median_step, rule.min_ms * 1e6))
+        return {pids[j]: float(excess[j]) for j in np.flatnonzero(excess > bar)}
 
     def _open_episode(self, r: _Rank, now: int, current: dict[int, tuple[float, float, float]]
                       ) -> None:
@@ -320,12 +383,14 @@ class RankTimes:
     def stragglers_now(self) -> set[int]:
         return set(self._open)
 
-    def interval(self) -> list[dict[str, Any]]:
-        """Each rank's means since the previous call (the log interval's ``ranks``)."""
+    def interval(self, until: int) -> list[dict[str, Any]]:
+        """Each rank's means over its rows since the previous call, up to ``until``
+        (the log interval's ``ranks``)."""
         out = []
         for r in self._ranks.values():
-            n, step, wait = r.interval
-            r.interval = [0, 0, 0]
+            totals = r.totals_at(r.at(until))
+            n, step, wait = (a - b for a, b in zip(totals, r.cut, strict=True))
+            r.cut = totals
             if n:
                 out.append(self._means(r, n, step, wait))
         return out
@@ -339,7 +404,7 @@ class RankTimes:
 
     def summary(self) -> dict[int, dict[str, Any]]:
         """pid -> the whole run's means of the ranks that ended an iteration."""
-        return {r.pid: self._means(r, r.n, r.step_ns, r.wait_ns)
+        return {r.pid: self._means(r, *r.totals_at(r.kept))
                 for r in self._ranks.values() if r.n}
 
     def stragglers(self) -> list[dict[str, Any]]:

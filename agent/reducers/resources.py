@@ -48,8 +48,10 @@ class Series:
         return sum(window) / len(window) if window else None
 
     def prune(self, before_ns: int) -> None:
-        """Keep the samples from ``before_ns`` on, and the latest one before it."""
-        self._recent = [m for m in self._recent if m[0] >= before_ns] or self._recent[-1:]
+        """Keep the samples from ``before_ns`` on, and the latest one before it (the next
+        window's figure when no sample falls in it; later samples may be in already)."""
+        before = [m for m in self._recent if m[0] < before_ns][-1:]
+        self._recent = before + [m for m in self._recent if m[0] >= before_ns]
 
     @property
     def mean(self) -> float | None:

@@ -7,11 +7,12 @@ What goes where:
   trace, another node's, is moved up by 2^22, above any Linux pid), named
   ``rank N (pid P)``; its tracks (threads, with made-up tids pid*8+k):
   ``iterations``: one ``X`` slice per iteration, from the rank's previous
-  iteration end to its end (the ``Optimizer.step`` markers; the first end after
-  attach only opens), named with the job's own number when the agent read it
-  (``iteration 1234``), else the number counted from attach;
+  iteration end to its end (its step rows; the first end after attach only opens),
+  named with the job's own number when the agent read it (``iteration 1234``), else
+  the number counted from attach;
   ``phases (py-spy)``: the ``phase`` records' spans, as slices;
-  ``backward() (uprobes)``: Engine::execute entry to exit;
+  ``backward() (uprobes)``: an iteration's first Engine::execute entry to its last exit
+  (its step row; ``backward() xK`` for K micro-batches);
   ``hangs``: the time without iterations, and instants when it was detected and
   when iterations resumed; ``GPU events``: XID, ECC, a GPU lost (instants);
 - counters (``C``) per rank: resident memory, GPU utilization / memory / power of
@@ -47,10 +48,11 @@ from perfmon.agent.record.replay import check_facts, replay
 from perfmon.agent.record.runs import find_runs, is_folder_input, is_summary_file
 from perfmon.agent.reducers import rank_map
 from perfmon.agent.reducers.cuda import CudaActivity
-from perfmon.agent.reducers.iterations import IterationClock
-from perfmon.agent.reducers.phases import PhaseAccount
+from perfmon.agent.reducers.iterations import Iteration, IterationClock
+from perfmon.agent.reducers.steps import RowSource
 from perfmon.parsers.errors import InputFileError, PerfmonError
 from perfmon.parsers.gpu_samples import job_gpu_indices
+from perfmon.parsers.step_rows import decode_steps
 from perfmon.parsers.workload import Workload
 
 CLOCK = "CLOCK_MONOTONIC"
@@ -92,7 +94,6 @@ class _Rank:
     numbers: array = field(default_factory=lambda: array("q"))
     starts: array = field(default_factory=lambda: array("q"))
     ends: array = field(default_factory=lambda: array("q"))
-    backward_open: int | None = None
     phase_end: int = 0  # the phase track's last slice end (slices never overlap)
     phase_overlaps: int = 0
 
@@ -204,10 +205,13 @@ class _Log:
         # The ranks the facts name, up to MAX_NAMED_RANKS (a log may name 100,000): each
         # a process of the trace even without records; others once they have records.
         self.rank_numbers = rank_map(facts)
+        self.rows = RowSource.for_facts(facts)  # an older log's rows, from its markers
         for pid in list(self.rank_numbers)[:MAX_NAMED_RANKS]:
             self._rank(pid)
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
-            "marker": self._on_marker, "phase": self._on_phase, "job_iteration": self._on_read,
+            "marker": self._on_marker, "steps": self._on_steps,
+            "waits": self.rows.feed if self.rows is not None else lambda _r: None,
+            "phase": self._on_phase, "job_iteration": self._on_read,
             "cuda": self._on_cuda, "process": self._on_process, "gpu": self._on_gpu,
             "xid": self._on_gpu_event, "ecc": self._on_gpu_event, "hang": self._on_hang,
             "hang_recovered": self._on_recovered, "session_end": self._on_end,
@@ -217,31 +221,43 @@ class _Log:
         found = self.ranks.get(pid)
         if found is not None:
             return found
-        clock = IterationClock(self.workload, pid, self.attach_ns, PhaseAccount())
+        clock = IterationClock(self.workload, pid, self.attach_ns)
         r = _Rank(pid, self.builder._trace_pid(pid), self.rank_numbers.get(pid), clock,
                   CudaActivity(pid))
         self.ranks[pid] = r
         return r
 
     def feed(self, record: dict[str, Any]) -> None:
-        handler = self._handlers.get(record["type"])
+        kind = record["type"]
+        steps = self.rows.take_before(kind) if self.rows is not None else None
+        if steps is not None:
+            self._on_steps(steps)
+        handler = self._handlers.get(kind)
         if handler is not None:
             handler(record)
 
     # -- records -------------------------------------------------------------------
 
     def _on_marker(self, record: dict[str, Any]) -> None:
-        r = self._rank(record["pid"])
-        t, kind = record["t_mono_ns"], record["kind"]
-        if t >= self.attach_ns:
-            if kind == "backward_enter" and r.backward_open is None:
-                r.backward_open = t
-            elif kind == "backward_exit" and r.backward_open is not None:
-                self._slice(r, BACKWARD, "backward()", r.backward_open, t, cat="backward")
-                r.backward_open = None
-        it = r.clock.on_marker(record)
-        if it is None:
-            return
+        # (A log with rows has only raw markers, which its rows already count.)
+        if self.rows is not None:
+            self.rows.feed(record)
+
+    def _on_steps(self, record: dict[str, Any]) -> None:
+        b = decode_steps(record)
+        for pid, end, micro, how, bw_from, bw_to in zip(
+                b.pid.tolist(), b.end_ns.tolist(), b.micro.tolist(), b.how.tolist(),
+                b.backward_from_ns.tolist(), b.backward_to_ns.tolist(), strict=True):
+            r = self._rank(pid)
+            if bw_to > bw_from:
+                # (the first backward() entry to the last return of the iteration)
+                name = "backward()" if micro <= 1 else f"backward() x{micro}"
+                self._slice(r, BACKWARD, name, bw_from, bw_to, cat="backward")
+            it = r.clock.on_row(end, micro if micro >= 0 else None, b.hows[how])
+            if it is not None:
+                self._on_iteration(r, it)
+
+    def _on_iteration(self, r: _Rank, it: Iteration) -> None:
         start = it.end_t_mono_ns - it.step_time_ns
         r.numbers.append(it.number)
         r.starts.append(start)

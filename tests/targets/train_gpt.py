@@ -100,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep no integer iteration counter in a local variable")
     p.add_argument("--ddp", action="store_true",
                    help="DistributedDataParallel over gloo (under torchrun: RANK, WORLD_SIZE...)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP (fully_shard per block, then the model) over gloo (under torchrun)")
     p.add_argument("--tp-collectives", type=int, default=0,
                    help="this many small all-reduces per forward, spread over the layers, as "
                         "tensor parallelism makes them (under torchrun; gloo)")
@@ -187,6 +189,15 @@ def train(args: argparse.Namespace) -> None:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         model = DistributedDataParallel(model)
+    elif args.fsdp:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        for block in model.blocks:  # each block's parameters gathered for its own compute
+            fully_shard(block)
+        fully_shard(model)
     optimizer = (torch.optim.SGD(model.parameters(), lr=1e-3) if args.optimizer == "sgd"
                  else torch.optim.AdamW(model.parameters(), lr=3e-4))
     loader = DataLoader(RandomTokens(args.vocab_size, args.seq_length, args.data_delay_ms),

@@ -1,0 +1,195 @@
+"""From markers and wait totals to step rows: one row per rank and iteration end.
+
+The rule of an iteration end is the same for every rank: an ``optimizer_step``
+after at least one ``backward()`` since the previous end (steps with none between
+them, e.g. several optimizers of one iteration, count once), every step when the
+rank never called ``backward()``. Markers from before attach fall outside the window.
+
+A row holds what the reducers need of the iteration (perfmon.parsers.events.Steps):
+its end, its micro-batches, its time blocked on collectives and how many waits
+ended, how the end was found, its time in backward() (nested calls once) and where
+its backward() calls began and ended.
+The wait is the difference of the rank's ``waits`` totals at the two ends (the
+probes add each thread's wait, nested calls once, when it returns); a log without
+totals (an older agent's) gives it from the ``wait_enter``/``wait_exit`` markers:
+the union over the rank's threads (a nested or concurrent wait counts once), a
+wait open at an iteration end split there. Either way the thread stepping the
+optimizer is in no wait: one whose return was lost ends there.
+
+The live session turns each poll's markers into one ``steps`` record (``take``)
+and logs that instead of them; replaying an older log turns its markers into the
+same rows here (``RowSource``), so both feed the reducers rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from perfmon.parsers.events import Steps
+
+UPROBE = "uprobe"
+WAIT_KINDS = ("wait_enter", "wait_exit")
+
+
+@dataclass
+class _Rank:
+    backward_seen: bool = False
+    backwards: int = 0  # backward() calls since the last end
+    backward_from: int | None = None
+    backward_to: int | None = None
+    backward_open: int | None = None  # since when in backward() (nested calls once)
+    backward_ns: int = 0
+    depth: dict[int, int] = field(default_factory=dict)  # tid -> nested waits open
+    open_threads: int = 0
+    open_since: int = 0  # union of waits: since when some thread waits
+    pending_ns: int = 0  # wait of the iteration in progress (markers)
+    pending_count: int = 0
+    totals: tuple[int, int] | None = None  # the latest ``waits`` (None: markers count)
+    totals_at_end: tuple[int, int] | None = None
+
+
+class StepRows:
+    """Feed markers and ``waits`` records (in log order); ``take`` the rows made."""
+
+    def __init__(self, start_t_mono_ns: int) -> None:
+        self.start_t_mono_ns = start_t_mono_ns
+        self._ranks: dict[int, _Rank] = {}
+        self._rows: list[tuple[int, ...]] = []
+        self._hows: dict[str, int] = {}
+
+    def feed(self, record: dict[str, Any]) -> None:
+        r = self._ranks.get(record["pid"])
+        if r is None:
+            r = self._ranks[record["pid"]] = _Rank()
+        if record["type"] == "waits":
+            if r.totals is None:  # from now on the totals count, not the markers
+                r.depth.clear()
+                r.open_threads = 0
+            r.totals = (record["wait_ns"], record["waits"])
+            return
+        t = record["t_mono_ns"]
+        if t < self.start_t_mono_ns:
+            return
+        kind = record["kind"]
+        if kind == "backward_enter":
+            r.backwards += 1
+            r.backward_seen = True
+            if r.backward_from is None:
+                r.backward_from = t
+            if r.backward_open is None:
+                r.backward_open = t
+        elif kind == "backward_exit":
+            r.backward_to = t
+            if r.backward_open is not None:
+                r.backward_ns += t - r.backward_open
+                r.backward_open = None
+        elif kind in WAIT_KINDS:
+            if r.totals is None:  # (raw waits beside the totals are already in them)
+                self._on_wait_marker(r, record["tid"], t, kind == "wait_enter")
+        elif kind == "optimizer_step":
+            if r.depth.get(record["tid"]):
+                r.depth[record["tid"]] = 0
+                self._thread_left_wait(r, t)
+            if r.backward_seen and r.backwards == 0:
+                return  # another optimizer of the same iteration
+            self._end(record, r, t)
+
+    def _on_wait_marker(self, r: _Rank, tid: int, t: int, enter: bool) -> None:
+        depth = r.depth.get(tid, 0)
+        if enter:
+            r.depth[tid] = depth + 1
+            if depth == 0:
+                if r.open_threads == 0:
+                    r.open_since = t
+                r.open_threads += 1
+        elif depth:  # (else entered before attach)
+            r.depth[tid] = depth - 1
+            if depth == 1:
+                self._thread_left_wait(r, t)
+
+    @staticmethod
+    def _thread_left_wait(r: _Rank, t: int) -> None:
+        r.open_threads -= 1
+        r.pending_count += 1
+        if r.open_threads == 0:
+            r.pending_ns += t - r.open_since
+
+    def _end(self, record: dict[str, Any], r: _Rank, t: int) -> None:
+        if r.open_threads:  # a wait open across the end: split there
+            r.pending_ns += t - r.open_since
+            r.open_since = t
+        if r.backward_open is not None:  # (so is a backward() open across it)
+            r.backward_ns += t - r.backward_open
+            r.backward_open = t
+        wait, count = r.pending_ns, r.pending_count
+        if r.totals is not None:
+            if r.totals_at_end is not None and r.totals[0] >= r.totals_at_end[0]:
+                wait += r.totals[0] - r.totals_at_end[0]
+                count += max(0, r.totals[1] - r.totals_at_end[1])
+            r.totals_at_end = r.totals
+        name = record["name"]
+        how = ((name.partition(":")[2] or "optimizer_frame") if name.startswith("pyspy")
+               else UPROBE)
+        index = self._hows.setdefault(how, len(self._hows))
+        first = r.backward_from if r.backward_from is not None else t
+        last = r.backward_to if r.backward_to is not None and r.backward_to >= first else first
+        self._rows.append((record["pid"], t, r.backwards if r.backward_seen else -1, wait,
+                           count, index, r.backward_ns, first, last))
+        r.backwards, r.pending_ns, r.pending_count, r.backward_ns = 0, 0, 0, 0
+        r.backward_from = r.backward_to = None
+
+    def feed_poll(self, records: list[dict[str, Any]], raw_markers: bool
+                  ) -> list[dict[str, Any]]:
+        """Feed a poll's markers and wait totals (records in log order); the records to
+        log besides the rows: all others, raw waits (there only while asked for), and
+        every marker when ``raw_markers``."""
+        logged = []
+        for record in records:
+            kind = record["type"]
+            if kind in RowSource.INPUTS:
+                self.feed(record)
+                if kind == "waits" or not (raw_markers or record["kind"] in WAIT_KINDS):
+                    continue
+            logged.append(record)
+        return logged
+
+    def take(self) -> Steps | None:
+        """The ``steps`` record of the rows made since the last call (None: none)."""
+        if not self._rows:
+            return None
+        rows, self._rows = self._rows, []
+        hows = sorted(self._hows, key=self._hows.__getitem__)
+        self._hows = {}
+        first = min(row[1] for row in rows)
+        return Steps.encode(first, rows, hows)
+
+
+class RowSource:
+    """Rows from a log's markers and wait totals, for its readers (the summarizer, the
+    trace): None for a log that has its rows (``steps`` records, facts ``step_rows``);
+    for an older log, rows made here from its markers, taken as one block before the
+    next record of another type (as the live session takes them once a poll)."""
+
+    INPUTS = frozenset(("marker", "waits"))
+
+    @classmethod
+    def for_facts(cls, facts: dict[str, Any]) -> RowSource | None:
+        return None if facts.get("step_rows") else cls(facts["attach_monotonic_ns"])
+
+    def __init__(self, start_t_mono_ns: int) -> None:
+        self.rows = StepRows(start_t_mono_ns)
+        self.pending = False
+
+    def feed(self, record: dict[str, Any]) -> None:
+        self.rows.feed(record)
+        self.pending = True
+
+    def take_before(self, kind: str) -> dict[str, Any] | None:
+        """The ``steps`` record of the rows made so far, to reduce before a record of
+        type ``kind`` (None: none, or ``kind`` is one rows are made of)."""
+        if not self.pending or kind in self.INPUTS:
+            return None
+        self.pending = False
+        steps = self.rows.take()
+        return steps.to_record() if steps is not None else None

@@ -1,0 +1,84 @@
+"""The columns of a ``steps`` record (perfmon.parsers.events.Steps): one row per rank
+and iteration end, as int64 arrays (pure).
+
+A row's times are relative to its record's ``t_mono_ns``; the columns lie one
+after another (column-major, little-endian), so similar values sit together and
+the log's zstd stream packs them into a few bytes a row, and a reader takes each
+column as an array without a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# The int64 columns of a ``steps`` record, in this order (a newer agent may add more).
+STEP_COLUMNS = ("pid", "end_ns", "micro", "wait_ns", "waits", "how", "backward_ns",
+                "backward_from_ns", "backward_to_ns")
+_TIMES = ("end_ns", "backward_from_ns", "backward_to_ns")
+MAX_STEP_HOWS = 16
+
+
+@dataclass(frozen=True)
+class StepBlock:
+    """A ``steps`` record's columns as arrays (absolute times), checked."""
+
+    pid: np.ndarray
+    end_ns: np.ndarray
+    micro: np.ndarray
+    wait_ns: np.ndarray
+    waits: np.ndarray
+    how: np.ndarray
+    backward_ns: np.ndarray
+    backward_from_ns: np.ndarray
+    backward_to_ns: np.ndarray
+    hows: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.end_ns)
+
+
+def encode_rows(t_mono_ns: int, rows: list[tuple[int, ...]]) -> bytes:
+    """The ``rows`` of a ``steps`` record: tuples in STEP_COLUMNS order (absolute times)."""
+    table = np.array(rows, dtype="<i8").T.copy()
+    for name in _TIMES:
+        table[STEP_COLUMNS.index(name)] -= t_mono_ns
+    return table.tobytes()
+
+
+def decode_steps(record: dict[str, Any]) -> StepBlock:
+    """The columns of a well-formed ``steps`` record (record_problem said None)."""
+    columns = list(record["columns"])
+    table = np.frombuffer(record["rows"], dtype="<i8").reshape(len(columns), -1)
+    named = {name: table[columns.index(name)] for name in STEP_COLUMNS}
+    t = record["t_mono_ns"]
+    for name in _TIMES:
+        named[name] = named[name] + t
+    return StepBlock(**named, hows=tuple(record["hows"]))
+
+
+def steps_problem(record: dict[str, Any]) -> str | None:
+    """Why a ``steps`` record's columns are not as STEP_COLUMNS says, or None."""
+    columns, rows, hows = record["columns"], record["rows"], record["hows"]
+    if (not all(type(c) is str for c in columns) or len(set(columns)) != len(columns)
+            or not set(STEP_COLUMNS) <= set(columns)):
+        return "steps record without its columns"
+    if not rows or len(rows) % (8 * len(columns)):
+        return "steps record whose rows do not fill its columns"
+    if len(hows) > MAX_STEP_HOWS or not all(type(h) is str and len(h) <= 64 for h in hows):
+        return "steps record with a wrong 'hows'"
+    table = np.frombuffer(rows, dtype="<i8").reshape(len(columns), -1)
+    column = {name: table[columns.index(name)]
+              for name in ("micro", "wait_ns", "waits", "how", "backward_ns")}
+    t = record["t_mono_ns"]
+    # (times stay within int64 once made absolute)
+    if (column["micro"].min() < -1 or column["wait_ns"].min() < 0 or column["waits"].min() < 0
+            or column["backward_ns"].min() < 0
+            or column["how"].min() < 0 or column["how"].max() >= len(hows)
+            or not all(-(1 << 62) < table[columns.index(name)].min() + t
+                       and table[columns.index(name)].max() + t < 1 << 62
+                       for name in _TIMES)):
+        return "steps record with a value out of its range"
+    return None
