@@ -106,7 +106,7 @@ def main() -> int:
         print(f"{RANKS} ranks x {rate:.0f} it/s: agent {100 * spent / args.seconds:.1f}% of a "
               f"core (worst poll {1e3 * worst:.1f} ms of 200); {per_poll:,.0f} ring events a "
               f"poll of {ring:,} ({100 * per_poll / ring:.0f}% full); log "
-              f"{size / (RANKS * rate * args.seconds):.0f} B per rank and iteration",
+              f"{size / (RANKS * rate * args.seconds):.1f} B per rank and iteration",
               flush=True)
     return 0
 
