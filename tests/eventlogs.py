@@ -10,8 +10,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgpack
+from perfmon.agent.record.eventlog import EventLogWriter
+from perfmon.agent.record.outputs import OutputDir
 from perfmon.agent.reducers.ranks import RankTimes
 from perfmon.agent.reducers.steps import StepRows
+from perfmon.parsers.events import Steps
 from perfmon.parsers.log_reader import EventLogReader
 from perfmon.parsers.step_rows import STEP_COLUMNS, decode_steps
 
@@ -287,8 +290,6 @@ def rows_records(seconds: int, *, ranks: int = 8, step_ns: int = 100_000_000,
     (one GPU per rank) and every rank's memory and CPU, the primary's stack-sample
     spans (``phases``), and one ``steps`` record with every rank's iteration ends of
     that second (2% of the wait jitters)."""
-    from perfmon.parsers.events import Steps
-
     pids = [PID + r for r in range(ranks)]
     facts = session_facts()
     facts.update(pids=pids, ranks=list(range(ranks)), step_rows=True,
@@ -325,9 +326,6 @@ def rows_records(seconds: int, *, ranks: int = 8, step_ns: int = 100_000_000,
 
 def write_rows_log(out_dir: Path, seconds: int, **kw: Any) -> Path:
     """``rows_records`` as this agent's session writes them (EventLogWriter: zstd, parts)."""
-    from perfmon.agent.record.eventlog import EventLogWriter
-    from perfmon.agent.record.outputs import OutputDir
-
     out = OutputDir.open(out_dir)
     writer = EventLogWriter(out, "perf_events_20261130_120000")
     for record in rows_records(seconds, **kw):

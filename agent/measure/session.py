@@ -397,6 +397,10 @@ class MonitorSession:
     def _log(self, live: _Live, record: dict[str, Any]) -> bool:
         """Log one record and feed it; True when it completed an interval."""
         live.log.append(record)
+        return self._reduce(live, record)
+
+    def _reduce(self, live: _Live, record: dict[str, Any]) -> bool:
+        """Feed one record; True when it completed an interval (its entries observed)."""
         entries = live.summarizer.feed(record)
         for entry in entries:
             self.context.observer.interval(entry)
@@ -406,7 +410,7 @@ class MonitorSession:
         """Parts of the log just made coarser: their ``coarsened`` records (in those
         parts, not logged again) go to the reducers, so the summary says so at once."""
         for record in live.log.take_coarsened():
-            live.summarizer.feed(record)
+            self._reduce(live, record)
         log = live.log
         if log.coarsen_error is not None:
             self._warning(f"event log: a part could not be made coarser: {log.coarsen_error}")
