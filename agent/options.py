@@ -128,6 +128,12 @@ class AttachOptions:
         "only each step's wait totals: a tensor-parallel job makes hundreds a step, so "
         "by default they are logged only during a suspected hang or a fail-slow window",
         config=True)
+    wait_probe_budget_pct: float = _option(
+        0.5, "--wait-probe-budget",
+        "the collective-wait probes' estimated cost on the job, in %% of its step: beyond "
+        "it the waits are probed on one iteration in every N (per-rank waits and "
+        "stragglers rest on those); 0 probes every wait (default: %(default)s)",
+        type=non_negative_float, metavar="PCT", config=True, schema={"maximum": 100})
     iteration_source: str = _option(
         "auto", "--iteration-source",
         "uprobe: exact, needs eBPF; pyspy: from stack samples, needs only ptrace; auto: "

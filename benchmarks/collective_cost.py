@@ -15,6 +15,8 @@ comparison.
 
     .venv/bin/python benchmarks/collective_cost.py --seconds 30 --rounds 3
     .venv/bin/python benchmarks/collective_cost.py --jobs tp --tp-collectives 400 --raw-markers
+    .venv/bin/python benchmarks/collective_cost.py --jobs tp \
+        --mode "all waits=--wait-probe-budget 0" --mode "no stacks=--no-stack-sampling"
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ def run_job(name: str, job_args: list[str], args: argparse.Namespace, port: int)
                 time.sleep(0.2)
             modes = [("defaults", [])] + ([("raw markers", ["--raw-markers"])]
                                           if args.raw_markers else [])
+            modes += [(name, extra.split()) for name, _, extra in
+                      (m.partition("=") for m in args.mode)]
             for backend in args.backends.split(","):
                 for mode, extra in modes:
                     rounds, off = [], []
@@ -124,8 +128,13 @@ def run_job(name: str, job_args: list[str], args: argparse.Namespace, port: int)
                                                      - 1)
                     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
                     ratio = med["step_ms"] / statistics.median(off)
+                    # Each attached round against the detached round right after it: the
+                    # job's own drift (minutes long) cancels in the pairs.
+                    paired = statistics.median(r["step_ms"] / o for r, o in
+                                               zip(rounds, off, strict=True))
                     print(f"{name} {backend} {mode}: step attached/detached {ratio:.4f} "
-                          f"({med['step_ms']:.2f} / {statistics.median(off):.2f} ms); "
+                          f"(median of the {len(off)} pairs {paired:.4f}; "
+                          f"{med['step_ms']:.2f} / {statistics.median(off):.2f} ms); "
                           f"event log {med['log_bytes_per_rank_iteration']:,.0f} B per rank "
                           f"and iteration; agent CPU {med['agent_pct_per_rank']:.2f}% of a "
                           f"core per rank; dropped {med['dropped']:.0f}; agent mean step "
@@ -150,6 +159,9 @@ def main() -> int:
     p.add_argument("--backends", default="bcc")
     p.add_argument("--tp-collectives", type=int, default=400)
     p.add_argument("--raw-markers", action="store_true", help="also measure --raw-markers")
+    p.add_argument("--mode", action="append", default=[], metavar="NAME=ARGS",
+                   help="also measure the agent with these arguments, e.g. "
+                        "'all waits=--wait-probe-budget 0' (repeatable)")
     args = p.parse_args()
     jobs = {"tp": ["--tp-collectives", str(args.tp_collectives)], "fsdp": ["--fsdp"],
             "ddp": ["--ddp"]}

@@ -98,7 +98,8 @@ class Steps(Record):
     ``backward_to_ns`` (the first backward() entry and last return since the previous
     end, else the end), relative to ``t_mono_ns``, and ``backward_ns`` (the time in it);
     ``micro`` (backward() calls, -1: none ever); ``wait_ns`` and ``waits`` (blocked on
-    collectives since the previous end, how many ended); ``how`` (index into ``hows``:
+    collectives since the previous end, how many ended; ``waits`` -1: not probed in that
+    iteration, the wait probes being sampled); ``how`` (index into ``hows``:
     uprobe or py-spy's estimator). A rank's first row after attach only opens its window."""
 
     TYPE: ClassVar[str] = "steps"

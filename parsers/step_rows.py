@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 # The int64 columns of a ``steps`` record, in this order (a newer agent may add more).
+# ``waits`` -1: the wait probes were off for that iteration (sampled; ``wait_ns`` 0).
 STEP_COLUMNS = ("pid", "end_ns", "micro", "wait_ns", "waits", "how", "backward_ns",
                 "backward_from_ns", "backward_to_ns")
 _TIMES = ("end_ns", "backward_from_ns", "backward_to_ns")
@@ -38,6 +39,11 @@ class StepBlock:
 
     def __len__(self) -> int:
         return len(self.end_ns)
+
+    @property
+    def probed(self) -> np.ndarray:
+        """Rows whose wait was measured (the wait probes were on for the whole iteration)."""
+        return self.waits >= 0
 
 
 def encode_rows(t_mono_ns: int, rows: list[tuple[int, ...]]) -> bytes:
@@ -74,7 +80,7 @@ def steps_problem(record: dict[str, Any]) -> str | None:
               for name in ("micro", "wait_ns", "waits", "how", "backward_ns")}
     t = record["t_mono_ns"]
     # (times stay within int64 once made absolute)
-    if (column["micro"].min() < -1 or column["wait_ns"].min() < 0 or column["waits"].min() < 0
+    if (column["micro"].min() < -1 or column["wait_ns"].min() < 0 or column["waits"].min() < -1
             or column["backward_ns"].min() < 0
             or column["how"].min() < 0 or column["how"].max() >= len(hows)
             or not all(-(1 << 62) < table[columns.index(name)].min() + t

@@ -80,7 +80,7 @@ from perfmon.probes.ftrace import (
     uprobe_events_root,
 )
 from perfmon.probes.procfs import TargetProcess, agent_capabilities, thread_group
-from perfmon.probes.sampler import Source
+from perfmon.probes.sampler import Source, monotonic_ns
 from perfmon.probes.uprobes import (
     COLLECTIVE_WAIT_SYMBOLS,
     DEFAULT_STEP_KINDS,
@@ -220,6 +220,8 @@ class TracefsMarkerProbe(Source):
         self._owner_pid = os.getpid()
         self._waits = WaitAccount()  # collective waits, one record a step (probes.waits)
         self._waits_probed: set[int] = set()
+        self.waits_on = True
+        self._forget_waits_before = 0  # (set_waits_on)
         self.raw_waits = raw_waits
 
     @property
@@ -436,6 +438,9 @@ class TracefsMarkerProbe(Source):
         """What of a marker is logged: a wait's entry and return only while raw waits are
         asked for (they go into the totals); a step with the totals before it."""
         t, pid, tid, kind = event.t_mono_ns, event.pid, event.tid, event.kind
+        if self._forget_waits_before and t >= self._forget_waits_before:
+            self._waits.forget_open()
+            self._forget_waits_before = 0
         if kind == "wait_enter":
             self._waits.enter(tid, t)
         elif kind == "wait_exit":
@@ -446,9 +451,31 @@ class TracefsMarkerProbe(Source):
             return [event]
         return [event] if self.raw_waits else []
 
+    @property
+    def waits_probed_pids(self) -> set[int]:
+        """The targets whose collective waits are probed."""
+        return set(self._waits_probed)
+
     def set_raw_waits(self, on: bool) -> None:
         """Every wait's entry and return as a ``wait_*`` marker too, or only the totals."""
         self.raw_waits = on
+
+    def set_waits_on(self, on: bool) -> None:
+        """Enable or disable the collective-wait events (sampled waits: a uprobe enabled
+        nowhere costs the job nothing). Waits open when they were disabled are forgotten
+        at the first event after they are on again (the pipe may still hold older ones)."""
+        if self._trace is None or on == self.waits_on:
+            return
+        for name, kind in self._kinds.items():
+            if kind in ("wait_enter", "wait_exit"):
+                try:
+                    self._trace.enable(self.group, name, on)
+                except OSError as err:
+                    self.warnings.append(f"{_agent()}: cannot {'en' if on else 'dis'}able "
+                                         f"{self.group}/{name}: {err.strerror}")
+        self.waits_on = on
+        if on:
+            self._forget_waits_before = monotonic_ns()
 
     def _tgid(self, tid: int) -> int | None:
         """The process of thread ``tid`` (cached); None when it is gone."""

@@ -290,6 +290,9 @@ class MarkerProbe(Source):
         self._raw: list[bytes] = []  # events as the ring buffer delivered them
         self._libraries: dict[int, MappedLibrary] = {}
         self._waits_probed: set[int] = set()  # pids whose collective waits are accounted
+        self._wait_points: list[tuple[bytes, int, int]] = []  # (library, address, pid)
+        self._wait_events: set[bytes] = set()  # bcc's names of the attached wait probes
+        self.waits_on = True
         self.raw_waits = raw_waits
 
     def _start(self) -> None:
@@ -332,22 +335,47 @@ class MarkerProbe(Source):
             self._bpf.attach_uretprobe(
                 name=lib, sym=sym.encode(), fn_name=b"on_backward_exit", pid=target.pid
             )
-        if wait:
-            self._waits_probed.add(target.pid)
-        for sym in wait:
-            # Return first: a call entered between the two attaches then shows only its
-            # exit (ignored), never an entry without an exit.
-            self._bpf.attach_uretprobe(
-                name=lib, sym=sym.encode(), fn_name=b"on_wait_exit", pid=target.pid
-            )
-            self._bpf.attach_uprobe(
-                name=lib, sym=sym.encode(), fn_name=b"on_wait_enter", pid=target.pid
-            )
         if not engine:
             self.warnings.append(
                 f"pid {target.pid} ({target.name}): {target.torch_library} exports no "
                 "torch::autograd::Engine::execute: micro-batches per step are not counted"
             )
+        if wait:
+            self._waits_probed.add(target.pid)
+        for sym in wait:
+            # (resolved once: re-attaching by address skips bcc's symbol search)
+            _, addr = self._bpf._check_path_symbol(lib, sym.encode(), None, target.pid, 0)
+            self._wait_points.append((lib, addr, target.pid))
+        self._attach_waits(self._wait_points[-len(wait):] if wait else [])
+
+    def _attach_waits(self, points: list[tuple[bytes, int, int]]) -> None:
+        before = set(self._bpf.uprobe_fds)
+        for lib, addr, pid in points:
+            # Return first: a call entered between the two attaches then shows only its
+            # exit (ignored), never an entry without an exit.
+            self._bpf.attach_uretprobe(name=lib, addr=addr, fn_name=b"on_wait_exit", pid=pid)
+            self._bpf.attach_uprobe(name=lib, addr=addr, fn_name=b"on_wait_enter", pid=pid)
+        self._wait_events |= set(self._bpf.uprobe_fds) - before
+
+    def set_waits_on(self, on: bool) -> None:
+        """Attach or detach the collective-wait probes (sampled waits: a detached probe
+        costs the job nothing). Off, the threads' open waits are forgotten: their
+        returns go unseen, and the totals stay as they were."""
+        if self._bpf is None or on == self.waits_on:
+            return
+        from bcc import lib as bcc_lib
+
+        if on:
+            self._attach_waits(self._wait_points)
+        else:
+            # Entry probes first, so no wait is entered whose return goes unseen, then
+            # the returns (the fds closed as close_bpf does).
+            for ev_name in sorted(self._wait_events, key=lambda e: not e.startswith(b"p_")):
+                bcc_lib.bpf_close_perf_event_fd(self._bpf.uprobe_fds[ev_name])
+                self._bpf._del_uprobe_fd(ev_name)
+            self._wait_events = set()
+            self._bpf[b"wait_threads"].clear()
+        self.waits_on = on
 
     def _on_event(self, _ctx: Any, data: Any, size: int) -> None:
         # Called by bcc once per event: only copy the bytes here; they are decoded
@@ -370,6 +398,11 @@ class MarkerProbe(Source):
             events.append(Marker(t, pid, tid, MARKER_KINDS[kind - 1], name))
         self.events += len(events)
         return events
+
+    @property
+    def waits_probed_pids(self) -> set[int]:
+        """The targets whose collective waits are probed."""
+        return set(self._waits_probed)
 
     def set_raw_waits(self, on: bool) -> None:
         """Every wait's entry and return as a ``wait_*`` marker too (a hang, a fail-slow

@@ -41,6 +41,10 @@ class WaitAccount:
         if thread.depth == 0:
             self._add(pid, t_ns - thread.since)
 
+    def forget_open(self) -> None:
+        """Forget the waits open now (the probes were off: their returns went unseen)."""
+        self._threads.clear()
+
     def step(self, pid: int, tid: int, t_ns: int) -> tuple[int, int]:
         """(wait ns, waits) of ``pid`` so far, at an Optimizer.step of thread ``tid``."""
         thread = self._threads.get(tid)

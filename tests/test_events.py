@@ -73,6 +73,11 @@ def test_steps_rows_decode_as_they_were_made_and_crafted_ones_are_refused():
     good = _STEPS.to_record()
     table = bytearray(good["rows"])
     table[5 * 16:5 * 16 + 8] = (2).to_bytes(8, "little")  # the first row's how: no such
+    unprobed, below = bytearray(good["rows"]), bytearray(good["rows"])
+    unprobed[4 * 16:4 * 16 + 8] = (-1).to_bytes(8, "little", signed=True)  # waits: not probed
+    below[4 * 16:4 * 16 + 8] = (-2).to_bytes(8, "little", signed=True)
+    assert record_problem({**good, "rows": bytes(unprobed)}) is None
+    assert not decode_steps({**good, "rows": bytes(unprobed)}).probed[0]
     for broken, problem in (
             ({"rows": good["rows"][:-8]}, "rows do not fill its columns"),
             ({"rows": b""}, "rows do not fill its columns"),
@@ -80,6 +85,7 @@ def test_steps_rows_decode_as_they_were_made_and_crafted_ones_are_refused():
             ({"columns": [*good["columns"][:-1], "pid"]}, "without its columns"),
             ({"hows": ["x"] * 17}, "wrong 'hows'"),
             ({"rows": bytes(table)}, "out of its range"),
+            ({"rows": bytes(below)}, "out of its range"),
             ({"t_mono_ns": 1 << 62}, "out of its range")):
         assert problem in (record_problem({**good, **broken}) or ""), broken
 

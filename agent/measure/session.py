@@ -42,6 +42,7 @@ from perfmon.agent.measure.sources import (
     open_stack_source,
     started,
 )
+from perfmon.agent.measure.wait_sampling import WaitSampling
 from perfmon.agent.options import AttachOptions
 from perfmon.agent.record.eventlog import EventLogWriter
 from perfmon.agent.record.layout import session_names, stamp
@@ -130,6 +131,7 @@ class _Live:
     closer_look: bool = False  # a hang suspected, or a fail-slow being looked at
     over_cap_told: bool = False
     markers: MarkerSource | None = None  # the uprobe source (None: py-spy mode)
+    wait_sampling: WaitSampling | None = None  # (None: no collective waits probed)
     quality: dict[str, dict[str, Any]] = field(default_factory=dict)  # last logged, per source
 
 
@@ -232,6 +234,10 @@ class MonitorSession:
             live = self._begin(out, targets, sources, stacks=stacks, workload=workload,
                                facts_extra=facts_extra, dumps=dumps)
             live.markers = probe
+            if probe is not None and probe.waits_probed_pids:
+                live.wait_sampling = WaitSampling(
+                    live.rows, probe.set_waits_on, sorted(probe.waits_probed_pids),
+                    targets[0].pid, opts.wait_probe_budget_pct / 100)
             for record in first_gpu_records:
                 self._log(live, record.to_record())
             # bcc's compiler has freed what it used: back to the system, or a service
@@ -318,6 +324,8 @@ class MonitorSession:
                 live.budget.update(now, closer_look)
                 if live.markers is not None:
                     live.markers.set_raw_waits(opts.raw_markers or closer_look)
+                if live.wait_sampling is not None:
+                    live.wait_sampling.schedule(keep_on=opts.raw_markers or closer_look)
                 if (completed and now >= next_write) or now >= next_refresh:
                     self._write(live)
                     spent = SUMMARY_WRITE_BUDGET * (monotonic_ns() - now)
@@ -426,6 +434,8 @@ class MonitorSession:
         (and for the agent itself: its CPU per rank against the budget)."""
         now = monotonic_ns()
         counted = [(s.name, s.quality()) for s in live.sources]
+        if live.wait_sampling is not None:
+            counted.append(("wait_probes", live.wait_sampling.quality()))
         for name, counters in [*counted, ("agent", live.budget.state())]:
             if counters and counters != live.quality.get(name):
                 live.quality[name] = counters

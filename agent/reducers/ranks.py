@@ -29,6 +29,11 @@ excess compute, c_r - ref, the median over the episode (its last 1000 evaluation
 The summary keeps the last 500 episodes. Ranks whose last end is
 older than 10 median steps (exited, hung) are left out of the comparison. At ~100 ms
 steps a straggler is named ~15 s after it starts (a 50-iteration window, then 10 s).
+
+When the wait probes are sampled (perfmon.agent.measure.wait_sampling) only rows whose
+wait was probed have a compute: the window is then the probed rows among the last
+``window``, or the last ``least`` (10) probed rows when fewer, and interval and run
+means of wait and compute are over the probed rows (``waits_probed`` says how many).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class StragglerRule:
     min_share: float = 0.10
     min_ms: float = 1.0
     window: int = 50  # iterations of each rank compared
+    least: int = 10  # ... their probed rows, at least (waits sampled: from further back)
     every: int = 10  # primary iterations between evaluations
     hold: int = 6  # evaluations in a row to open or close an episode
     hold_s: float = 10.0  # ... and outlying for this long to open one
@@ -62,11 +68,14 @@ HISTORY = 4096  # rows kept per rank (the minute around a fail-slow change at 15
 CUDA_MATCH_NS = 1_000_000  # a step snapshot and the row of the same Optimizer.step
 
 
-_END, _STEP, _WAIT, _SUM_STEP, _SUM_WAIT = range(5)
+# A row's end, step, wait (0 where not probed) and whether its wait was probed, then
+# the running sums of step, wait, probed rows and their steps.
+_END, _STEP, _WAIT, _PROBED, _SUM_STEP, _SUM_WAIT, _SUM_PROBED, _SUM_PROBED_STEP = range(8)
+_COLUMNS = 8
 
 
 def _history() -> np.ndarray:
-    return np.zeros((0, 5), dtype=np.int64)  # (grown as rows come: a log may name 100,000)
+    return np.zeros((0, _COLUMNS), dtype=np.int64)  # (grown as rows come: a log may name 100,000)
 
 
 @dataclass
@@ -76,14 +85,14 @@ class _Rank:
     last_end: int | None = None
     cuda_sync_ns: int | None = None  # the last step snapshot's cumulative sync wait
     cuda: list[tuple[int, int]] = field(default_factory=list)  # (t, sync wait) not in a row
-    # The last rows (``kept`` of them; the history's columns: end, step, wait and the
-    # running sums of step and wait), after ``dropped`` trimmed from the front, whose
-    # sums ``base`` holds. (One array, grown to 2 x HISTORY: a block's rows in one copy.)
+    # The last rows (``kept`` of them; the history's columns, _END to _SUM_PROBED_STEP),
+    # after ``dropped`` trimmed from the front, whose sums ``base`` holds. (One array,
+    # grown to 2 x HISTORY: a block's rows in one copy.)
     history: np.ndarray = field(default_factory=_history)
     kept: int = 0
     dropped: int = 0
-    base: tuple[int, int] = (0, 0)
-    cut: tuple[int, int, int] = (0, 0, 0)  # (n, step, wait) at the last interval
+    base: tuple[int, int, int, int] = (0, 0, 0, 0)
+    cut: tuple[int, ...] = (0, 0, 0, 0, 0)  # totals_at the last interval
     cpu: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=64))
     outlying: int = 0  # evaluations in a row (negative: not outlying)
     outlying_since: int = 0  # the first of them
@@ -104,12 +113,13 @@ class _Rank:
     def waits(self) -> np.ndarray:
         return self.history[:self.kept, _WAIT]
 
-    def totals_at(self, i: int) -> tuple[int, int, int]:
-        """(rows, step, wait) summed over the rows before history index ``i``."""
+    def totals_at(self, i: int) -> tuple[int, int, int, int, int]:
+        """(rows, step, wait, probed rows, their step) summed over the rows before
+        history index ``i``."""
         if i == 0:
-            return self.dropped, *self.base
-        row = self.history[i - 1]
-        return self.dropped + i, int(row[_SUM_STEP]), int(row[_SUM_WAIT])
+            return (self.dropped, *self.base)
+        step, wait, probed, probed_step = self.history[i - 1, _SUM_STEP:].tolist()
+        return self.dropped + i, step, wait, probed, probed_step
 
     def at(self, t: int) -> int:
         """History index just past the rows that ended at or before ``t``."""
@@ -117,32 +127,45 @@ class _Rank:
 
     @property
     def recent(self) -> list[tuple[int, int, int]]:
-        """(end, step, wait) of the rows kept."""
-        return [tuple(row) for row in self.history[:self.kept, :_SUM_STEP].tolist()]
+        """(end, step, wait) of the rows kept whose wait was probed."""
+        rows = self.history[:self.kept]
+        return [tuple(row) for row in rows[rows[:, _PROBED] == 1, :_PROBED].tolist()]
+
+    def probed_window(self, i: int, n: int, least: int) -> np.ndarray:
+        """The probed rows among the last ``n`` before history index ``i`` (all of them
+        when every wait is probed), or the last ``least`` probed rows when fewer."""
+        rows = self.history[max(0, i - n):i]
+        if rows[:, _PROBED].all():
+            return rows
+        probed = np.flatnonzero(self.history[:i, _PROBED])
+        return self.history[probed[-max(least, int(rows[:, _PROBED].sum())):]]
 
     def add(self, rows: np.ndarray) -> None:
-        """Keep rows of (end, step, wait)."""
+        """Keep rows of (end, step, wait, probed)."""
         k = len(rows)
         if self.kept + k > len(self.history) < 2 * HISTORY:
-            grown = np.zeros((min(2 * HISTORY, max(64, 2 * (self.kept + k))), 5), np.int64)
+            grown = np.zeros((min(2 * HISTORY, max(64, 2 * (self.kept + k))), _COLUMNS),
+                             np.int64)
             grown[:self.kept] = self.history[:self.kept]
             self.history = grown
         if self.kept + k > len(self.history):  # keep the last HISTORY (or this block)
             keep = max(0, min(self.kept, HISTORY, len(self.history) - k))
             drop = self.kept - keep
             if drop:
-                last = self.history[drop - 1]
-                self.base = int(last[_SUM_STEP]), int(last[_SUM_WAIT])
+                a, b, c, d = self.history[drop - 1, _SUM_STEP:].tolist()
+                self.base = a, b, c, d
             if k > len(self.history):
-                self.history = np.zeros((k, 5), dtype=np.int64)
+                self.history = np.zeros((k, _COLUMNS), dtype=np.int64)
             else:
                 self.history[:keep] = self.history[drop:self.kept]
             self.dropped, self.kept = self.dropped + drop, keep
-        _, step0, wait0 = self.totals_at(self.kept)
+        sums = self.totals_at(self.kept)[1:]
         block = self.history[self.kept:self.kept + k]
         block[:, :_SUM_STEP] = rows
-        np.cumsum(rows[:, _STEP:], axis=0, out=block[:, _SUM_STEP:])
-        block[:, _SUM_STEP:] += (step0, wait0)
+        block[:, _SUM_PROBED_STEP] = rows[:, _STEP] * rows[:, _PROBED]
+        np.cumsum(block[:, [_STEP, _WAIT, _PROBED, _SUM_PROBED_STEP]], axis=0,
+                  out=block[:, _SUM_STEP:])
+        block[:, _SUM_STEP:] += sums
         self.kept += k
 
 
@@ -195,6 +218,7 @@ class RankTimes:
         order = np.argsort(block.pid, kind="stable")
         pids = block.pid[order]
         ends, waits = block.end_ns[order], block.wait_ns[order]
+        probed = block.waits[order] >= 0
         starts = np.flatnonzero(np.concatenate(([True], pids[1:] != pids[:-1])))
         previous = np.concatenate((ends[:1], ends[:-1]))
         bounds = [*starts.tolist(), len(pids)]
@@ -208,7 +232,8 @@ class RankTimes:
             previous[a] = ends[a] if r.last_end is None else r.last_end
         # (a row that came late counts as a step of 0)
         steps = np.maximum(ends - previous, 0)
-        rows = np.stack((ends, steps, np.minimum(waits, steps)), axis=1)
+        # (an unprobed row's wait is unknown: its CUDA sync wait alone is not kept either)
+        rows = np.stack((ends, steps, np.minimum(waits, steps) * probed, probed), axis=1)
         for a, b, r in zip(bounds, bounds[1:], ranks, strict=False):
             first = a + 1 if r.last_end is None else a
             r.last_end = max(int(ends[b - 1]), r.last_end or 0)
@@ -263,11 +288,11 @@ class RankTimes:
         ranks, windows = [], []
         for r in self._ranks.values():
             i = r.at(now)
-            if (r.dropped + i < rule.window // 2 or i == 0
+            if (r.dropped + i < rule.window // 2 or r.totals_at(i)[3] < rule.least or i == 0
                     or now - int(r.history[i - 1, _END]) > 10 * median_step):
                 continue
             ranks.append(r)
-            windows.append(r.history[max(0, i - rule.window):i])
+            windows.append(r.probed_window(i, rule.window, rule.least))
         current = self._medians(ranks, windows)
         excess = self._excess(current, median_step)
         for pid, r in self._ranks.items():
@@ -389,18 +414,25 @@ class RankTimes:
         out = []
         for r in self._ranks.values():
             totals = r.totals_at(r.at(until))
-            n, step, wait = (a - b for a, b in zip(totals, r.cut, strict=True))
+            n, step, wait, probed, probed_step = (
+                a - b for a, b in zip(totals, r.cut, strict=True))
             r.cut = totals
             if n:
-                out.append(self._means(r, n, step, wait))
+                out.append(self._means(r, n, step, wait, probed, probed_step))
         return out
 
-    def _means(self, r: _Rank, n: int, step: int, wait: int) -> dict[str, Any]:
-        return {"pid": r.pid, "rank": r.rank, "iterations": n,
-                "avg_step_time_ms": step / n / 1e6, "avg_wait_ms": wait / n / 1e6,
-                "avg_compute_ms": (step - wait) / n / 1e6,
-                "wait_share": wait / step if step else None,
-                "straggler": r.pid in self._open}
+    def _means(self, r: _Rank, *totals: int) -> dict[str, Any]:
+        """The means of totals_at's rows; wait and compute over the probed of them."""
+        n, step, wait, probed, probed_step = totals
+        out = {"pid": r.pid, "rank": r.rank, "iterations": n,
+               "avg_step_time_ms": step / n / 1e6,
+               "avg_wait_ms": wait / probed / 1e6 if probed else None,
+               "avg_compute_ms": (probed_step - wait) / probed / 1e6 if probed else None,
+               "wait_share": wait / probed_step if probed_step else None,
+               "straggler": r.pid in self._open}
+        if probed < n:
+            out["waits_probed"] = probed
+        return out
 
     def summary(self) -> dict[int, dict[str, Any]]:
         """pid -> the whole run's means of the ranks that ended an iteration."""

@@ -16,6 +16,9 @@ the union over the rank's threads (a nested or concurrent wait counts once), a
 wait open at an iteration end split there. Either way the thread stepping the
 optimizer is in no wait: one whose return was lost ends there.
 
+When the session probes the waits on sampled iterations only (``waits_probed``), a
+row whose iteration the probes did not cover whole has ``waits`` -1 (not measured).
+
 The live session turns each poll's markers into one ``steps`` record (``take``)
 and logs that instead of them; replaying an older log turns its markers into the
 same rows here (``RowSource``), so both feed the reducers rows.
@@ -23,6 +26,7 @@ same rows here (``RowSource``), so both feed the reducers rows.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +51,8 @@ class _Rank:
     pending_count: int = 0
     totals: tuple[int, int] | None = None  # the latest ``waits`` (None: markers count)
     totals_at_end: tuple[int, int] | None = None
+    last_end: int | None = None
+    ends: int = 0
 
 
 class StepRows:
@@ -57,6 +63,29 @@ class StepRows:
         self._ranks: dict[int, _Rank] = {}
         self._rows: list[tuple[int, ...]] = []
         self._hows: dict[str, int] = {}
+        # When the wait probes were on: (from, until; None: still on), the latest last.
+        # On from before the first row unless the session says otherwise.
+        self._probed: list[tuple[int, int | None]] = [(0, None)]
+        self.recent: deque[tuple[int, int]] = deque(maxlen=64)  # (step, waits) probed
+        self.probed_rows = 0  # rows with their wait measured, so far
+
+    def waits_probed(self, on: bool, t_ns: int) -> None:
+        """The wait probes are on from ``t_ns`` (attached by then), or off from it (not
+        yet detached): only rows inside one such window have their wait measured."""
+        last_on = self._probed[-1][1] is None
+        if on and not last_on:
+            self._probed.append((t_ns, None))
+            del self._probed[:-16]  # (rows come within a poll or two of their end)
+        elif not on and last_on:
+            self._probed[-1] = (self._probed[-1][0], t_ns)
+
+    def _was_probed(self, since: int, until: int) -> bool:
+        return any(a <= since and (b is None or until <= b) for a, b in reversed(self._probed))
+
+    def ends_of(self, pid: int) -> int:
+        """Iteration ends of ``pid`` so far."""
+        r = self._ranks.get(pid)
+        return r.ends if r is not None else 0
 
     def feed(self, record: dict[str, Any]) -> None:
         r = self._ranks.get(record["pid"])
@@ -128,6 +157,14 @@ class StepRows:
                 wait += r.totals[0] - r.totals_at_end[0]
                 count += max(0, r.totals[1] - r.totals_at_end[1])
             r.totals_at_end = r.totals
+            if r.last_end is not None:
+                if self._was_probed(r.last_end, t):
+                    self.recent.append((t - r.last_end, count))
+                    self.probed_rows += 1
+                else:
+                    wait, count = 0, -1  # (the probes were off for some of it)
+        r.last_end = t
+        r.ends += 1
         name = record["name"]
         how = ((name.partition(":")[2] or "optimizer_frame") if name.startswith("pyspy")
                else UPROBE)
