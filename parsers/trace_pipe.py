@@ -87,3 +87,11 @@ def oom_victim(line: TraceLine) -> int | None:
     (parse_event_line); None for another event."""
     m = _VICTIM_PID.search(line.args) if line.event == "mark_victim" else None
     return int(m.group(1)) if m else None
+
+
+def step_name_filter(prefixes: dict[str, str]) -> str | None:
+    """A tracefs event filter passing only step names, or None when a prefix holds a
+    character the filter's glob would misread."""
+    if any(set(p) & set('*?[]"\\') for p in prefixes):
+        return None
+    return " || ".join(f'name ~ "{prefix}*"' for prefix in prefixes)

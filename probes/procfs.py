@@ -83,6 +83,14 @@ def read_proc(pid: int, name: str, binary: bool = False) -> str | bytes:
     return data if binary else data.decode("utf-8", "replace")
 
 
+def thread_ids(pid: int) -> list[int]:
+    """The thread ids of a process ([] when it is gone)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()]
+    except OSError:
+        return []
+
+
 def thread_group(tid: int) -> int | None:
     """The process (tgid) of thread ``tid``, from /proc/TID/status; None when it is gone."""
     try:

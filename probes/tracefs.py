@@ -59,9 +59,14 @@ from perfmon.parsers.elf_symbols import (
     find_function_symbols,
     load_segments,
 )
-from perfmon.parsers.events import Record, WaitTotals
+from perfmon.parsers.events import Record
 from perfmon.parsers.procfs import CAP_SYS_ADMIN, CAP_SYS_PTRACE, missing_capabilities
-from perfmon.parsers.trace_pipe import classify_step_name, parse_name_arg, parse_trace_line
+from perfmon.parsers.trace_pipe import (
+    classify_step_name,
+    parse_name_arg,
+    parse_trace_line,
+    step_name_filter,
+)
 from perfmon.probes.errors import (
     NoSuchProcess,
     PrerequisiteMissing,
@@ -79,7 +84,7 @@ from perfmon.probes.ftrace import (
     tracefs_write,
     uprobe_events_root,
 )
-from perfmon.probes.procfs import TargetProcess, agent_capabilities, thread_group
+from perfmon.probes.procfs import TargetProcess, agent_capabilities, thread_group, thread_ids
 from perfmon.probes.sampler import Source, monotonic_ns
 from perfmon.probes.uprobes import (
     COLLECTIVE_WAIT_SYMBOLS,
@@ -138,14 +143,6 @@ def check_tracefs_prerequisites() -> str:
     return uprobe_events_root()
 
 
-def _step_name_filter(prefixes: dict[str, str]) -> str | None:
-    """A tracefs event filter passing only step names, or None when a prefix holds a
-    character the filter's glob would misread."""
-    if any(set(p) & set('*?[]"\\') for p in prefixes):
-        return None
-    return " || ".join(f'name ~ "{prefix}*"' for prefix in prefixes)
-
-
 # --- the probe ----------------------------------------------------------------
 
 def probe_offsets(target: TargetProcess, library: MappedLibrary
@@ -179,13 +176,6 @@ def probe_offsets(target: TargetProcess, library: MappedLibrary
             f"{err}"
         ) from err
 
-
-def _threads(pid: int) -> list[int]:
-    """The thread ids of a process ([] when it is gone)."""
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()]
-    except OSError:
-        return []
 
 
 class TracefsMarkerProbe(Source):
@@ -221,7 +211,6 @@ class TracefsMarkerProbe(Source):
         self._waits = WaitAccount()  # collective waits, one record a step (probes.waits)
         self._waits_probed: set[int] = set()
         self.waits_on = True
-        self._forget_waits_before = 0  # (set_waits_on)
         self.raw_waits = raw_waits
 
     @property
@@ -306,7 +295,7 @@ class TracefsMarkerProbe(Source):
         for _ in range(2):
             tids = set()
             for target in self.targets:
-                threads = _threads(target.pid)
+                threads = thread_ids(target.pid)
                 if not threads:
                     raise NoSuchProcess(f"pid {target.pid} ({target.name}): exited before "
                                         "the uprobes were attached")
@@ -358,7 +347,7 @@ class TracefsMarkerProbe(Source):
         self._kinds[name] = kind
 
     def _enable(self, trace: TraceInstance) -> None:
-        name_filter = _step_name_filter(self._prefixes)
+        name_filter = step_name_filter(self._prefixes)
         for name, kind in self._kinds.items():
             if kind == _RECORD_FUNCTION and name_filter:
                 try:
@@ -435,25 +424,11 @@ class TracefsMarkerProbe(Source):
                            name=name)
 
     def _account(self, event: MarkerEvent) -> list[Record]:
-        """What of a marker is logged: a wait's entry and return only while raw waits are
-        asked for (they go into the totals); a step with the totals before it."""
-        t, pid, tid, kind = event.t_mono_ns, event.pid, event.tid, event.kind
-        if self._forget_waits_before and t >= self._forget_waits_before:
-            self._waits.forget_open()
-            self._forget_waits_before = 0
-        if kind == "wait_enter":
-            self._waits.enter(tid, t)
-        elif kind == "wait_exit":
-            self._waits.exit(pid, tid, t)
-        elif kind == "optimizer_step" and pid in self._waits_probed:
-            return [WaitTotals(t, pid, *self._waits.step(pid, tid, t)), event]
-        else:
-            return [event]
-        return [event] if self.raw_waits else []
+        """What of a marker is logged (probes.waits.WaitAccount.account)."""
+        return self._waits.account(event, event.pid in self._waits_probed, self.raw_waits)
 
     @property
     def waits_probed_pids(self) -> set[int]:
-        """The targets whose collective waits are probed."""
         return set(self._waits_probed)
 
     def set_raw_waits(self, on: bool) -> None:
@@ -475,7 +450,7 @@ class TracefsMarkerProbe(Source):
                                          f"{self.group}/{name}: {err.strerror}")
         self.waits_on = on
         if on:
-            self._forget_waits_before = monotonic_ns()
+            self._waits.forget_open_from(monotonic_ns())
 
     def _tgid(self, tid: int) -> int | None:
         """The process of thread ``tid`` (cached); None when it is gone."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from perfmon.parsers.events import Marker, Record, WaitTotals
+
 
 @dataclass
 class _Thread:
@@ -24,6 +26,30 @@ class WaitAccount:
     def __init__(self) -> None:
         self._threads: dict[int, _Thread] = {}
         self._totals: dict[int, list[int]] = {}  # pid -> [ns, count]
+        self._forget_before = 0  # (forget_open_from)
+
+    def account(self, marker: Marker, probed: bool, raw: bool) -> list[Record]:
+        """Take one marker; what of it is logged: a wait's entry and return only when
+        ``raw`` (they go into the totals), a step of a ``probed`` process with the
+        totals before it (a ``waits`` record)."""
+        t, pid, tid, kind = marker.t_mono_ns, marker.pid, marker.tid, marker.kind
+        if self._forget_before and t >= self._forget_before:
+            self._threads.clear()
+            self._forget_before = 0
+        if kind == "wait_enter":
+            self.enter(tid, t)
+        elif kind == "wait_exit":
+            self.exit(pid, tid, t)
+        elif kind == "optimizer_step" and probed:
+            return [WaitTotals(t, pid, *self.step(pid, tid, t)), marker]
+        else:
+            return [marker]
+        return [marker] if raw else []
+
+    def forget_open_from(self, t_ns: int) -> None:
+        """At the first marker from ``t_ns`` on, forget the waits open then (the probes
+        were off, their returns unseen; markers from before may still be on their way)."""
+        self._forget_before = t_ns
 
     def enter(self, tid: int, t_ns: int) -> None:
         thread = self._threads.get(tid)
@@ -40,10 +66,6 @@ class WaitAccount:
         thread.depth -= 1
         if thread.depth == 0:
             self._add(pid, t_ns - thread.since)
-
-    def forget_open(self) -> None:
-        """Forget the waits open now (the probes were off: their returns went unseen)."""
-        self._threads.clear()
 
     def step(self, pid: int, tid: int, t_ns: int) -> tuple[int, int]:
         """(wait ns, waits) of ``pid`` so far, at an Optimizer.step of thread ``tid``."""
