@@ -342,11 +342,12 @@ class MarkerProbe(Source):
             )
         if wait:
             self._waits_probed.add(target.pid)
-        for sym in wait:
-            # (resolved once: re-attaching by address skips bcc's symbol search)
-            _, addr = self._bpf._check_path_symbol(lib, sym.encode(), None, target.pid, 0)
-            self._wait_points.append((lib, addr, target.pid))
-        self._attach_waits(self._wait_points[-len(wait):] if wait else [])
+        # Resolved once (bcc's own resolver, as attach_uprobe calls it): re-attaching a
+        # sampled wait probe by address skips the symbol search.
+        points = [(lib, self._bpf._check_path_symbol(lib, sym.encode(), None, target.pid, 0)[1],
+                   target.pid) for sym in wait]
+        self._wait_points += points
+        self._attach_waits(points)
 
     def _attach_waits(self, points: list[tuple[bytes, int, int]]) -> None:
         before = set(self._bpf.uprobe_fds)

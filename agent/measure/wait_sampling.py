@@ -65,7 +65,8 @@ class WaitSampling:
             done = all(ends(p) - self._ends_at_on.get(p, 0) >= 2 for p in self.pids)
             primary = ends(self.primary) - self._ends_at_on.get(self.primary, 0)
             if done or primary >= PRIMARY_ENDS_MAX:
-                self._primary_probed = max(1, primary)
+                # (the first time, the probes were on since attach: counted as a sample)
+                self._primary_probed = max(1, min(primary, PRIMARY_ENDS_MAX))
                 self._switch(False)
         elif ends(self.primary) - self._primary_at_off >= (self.every - 1) * self._primary_probed:
             self._switch(True)
