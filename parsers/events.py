@@ -334,8 +334,12 @@ def _fast_checks() -> dict[str, Any]:
     for kind, fields in RECORD_FIELDS.items():
         tests = ["True"]
         for name, (accepted, required) in fields.items():
-            namespace[f"T{len(namespace)}"] = accepted[0]
-            usual = f"type(r.get({name!r})) is T{len(namespace) - 1}"
+            # (the reader decodes arrays as tuples: a field may accept either)
+            one = len(accepted) == 1
+            namespace[f"T{len(namespace)}"] = accepted[0] if one else accepted
+            usual = f"type(r.get({name!r})) {'is' if one else 'in'} T{len(namespace) - 1}"
+            if required and type(None) in accepted:
+                usual = f"{name!r} in r and {usual}"
             tests.append(usual if required else f"({name!r} not in r or {usual})")
         if kind == "marker":
             tests.append("r['kind'] in MARKER_KINDS")

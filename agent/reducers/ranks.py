@@ -123,6 +123,9 @@ class _Rank:
 
     def at(self, t: int) -> int:
         """History index just past the rows that ended at or before ``t``."""
+        k = self.kept
+        if k and self.history[k - 1, _END] <= t:  # (usually: asked at the latest row)
+            return k
         return int(self.ends.searchsorted(t, "right"))
 
     @property
@@ -132,16 +135,19 @@ class _Rank:
         return [tuple(row) for row in rows[rows[:, _PROBED] == 1, :_PROBED].tolist()]
 
     def probed_window(self, i: int, n: int, least: int) -> np.ndarray:
-        """The probed rows among the last ``n`` before history index ``i`` (all of them
-        when every wait is probed), or the last ``least`` probed rows when fewer."""
-        rows = self.history[max(0, i - n):i]
-        if rows[:, _PROBED].all():
-            return rows
-        probed = np.flatnonzero(self.history[:i, _PROBED])
-        return self.history[probed[-max(least, int(rows[:, _PROBED].sum())):]]
+        """The (step, wait) of the probed rows among the last ``n`` before history index
+        ``i`` (all of them when every wait is probed), or of the last ``least`` probed
+        rows when fewer."""
+        lo = max(0, i - n)
+        probed = self.totals_at(i)[3] - self.totals_at(lo)[3]
+        if probed == i - lo:
+            return self.history[lo:i, _STEP:_PROBED]
+        rows = np.flatnonzero(self.history[:i, _PROBED])[-max(least, probed):]
+        return self.history[rows, _STEP:_PROBED]
 
     def add(self, rows: np.ndarray) -> None:
-        """Keep rows of (end, step, wait, probed)."""
+        """Keep rows of all the history's columns (their running sums counted on from
+        this rank's: RankTimes.on_rows)."""
         k = len(rows)
         if self.kept + k > len(self.history) < 2 * HISTORY:
             grown = np.zeros((min(2 * HISTORY, max(64, 2 * (self.kept + k))), _COLUMNS),
@@ -159,13 +165,7 @@ class _Rank:
             else:
                 self.history[:keep] = self.history[drop:self.kept]
             self.dropped, self.kept = self.dropped + drop, keep
-        sums = self.totals_at(self.kept)[1:]
-        block = self.history[self.kept:self.kept + k]
-        block[:, :_SUM_STEP] = rows
-        block[:, _SUM_PROBED_STEP] = rows[:, _STEP] * rows[:, _PROBED]
-        np.cumsum(block[:, [_STEP, _WAIT, _PROBED, _SUM_PROBED_STEP]], axis=0,
-                  out=block[:, _SUM_STEP:])
-        block[:, _SUM_STEP:] += sums
+        self.history[self.kept:self.kept + k] = rows
         self.kept += k
 
 
@@ -213,16 +213,17 @@ class RankTimes:
     # -- feeding -------------------------------------------------------------------------
 
     def on_rows(self, block: StepBlock) -> None:
-        """Every rank's rows of a ``steps`` block (grouped by rank in a few array calls:
-        this runs for every rank-iteration of a replayed week)."""
+        """Every rank's rows of a ``steps`` block (grouped by rank, the running sums of
+        all ranks in one cumulative sum: this runs for every rank-iteration of a
+        replayed week)."""
         order = np.argsort(block.pid, kind="stable")
         pids = block.pid[order]
         ends, waits = block.end_ns[order], block.wait_ns[order]
-        probed = block.waits[order] >= 0
+        probed = (block.waits[order] >= 0).astype(np.int64)
         starts = np.flatnonzero(np.concatenate(([True], pids[1:] != pids[:-1])))
         previous = np.concatenate((ends[:1], ends[:-1]))
         bounds = [*starts.tolist(), len(pids)]
-        ranks = []
+        ranks, firsts, sums = [], [], []
         for a, b, pid in zip(bounds, bounds[1:], pids[starts].tolist(), strict=False):
             r = self._ranks.get(pid) or self._rank(pid)
             ranks.append(r)
@@ -230,12 +231,24 @@ class RankTimes:
                 waits[a:b] += self._cuda_waits(r, ends[a:b])
             # (the partial iteration at attach: its first row, a step of 0, not kept)
             previous[a] = ends[a] if r.last_end is None else r.last_end
+            firsts.append(a + 1 if r.last_end is None else a)
+            if r.last_end is None:
+                probed[a] = 0  # (so it adds nothing to the sums)
+            sums.append(r.totals_at(r.kept)[1:])
         # (a row that came late counts as a step of 0)
         steps = np.maximum(ends - previous, 0)
         # (an unprobed row's wait is unknown: its CUDA sync wait alone is not kept either)
-        rows = np.stack((ends, steps, np.minimum(waits, steps) * probed, probed), axis=1)
-        for a, b, r in zip(bounds, bounds[1:], ranks, strict=False):
-            first = a + 1 if r.last_end is None else a
+        rows = np.empty((len(pids), _COLUMNS), dtype=np.int64)
+        rows[:, _END], rows[:, _STEP], rows[:, _PROBED] = ends, steps, probed
+        rows[:, _WAIT] = np.minimum(waits, steps) * probed
+        rows[:, _SUM_PROBED_STEP] = steps * probed
+        # Each rank's running sums: one cumulative sum, less what came before the rank's
+        # first row, plus the rank's own sums so far.
+        summed = rows[:, _SUM_STEP:]
+        np.cumsum(rows[:, [_STEP, _WAIT, _PROBED, _SUM_PROBED_STEP]], axis=0, out=summed)
+        before = np.concatenate((np.zeros((1, 4), np.int64), summed[starts[1:] - 1]))
+        summed += np.repeat(np.array(sums, dtype=np.int64) - before, np.diff(bounds), axis=0)
+        for first, b, r in zip(firsts, bounds[1:], ranks, strict=True):
             r.last_end = max(int(ends[b - 1]), r.last_end or 0)
             if first < b:
                 r.add(rows[first:b])
@@ -288,8 +301,10 @@ class RankTimes:
         ranks, windows = [], []
         for r in self._ranks.values():
             i = r.at(now)
-            if (r.dropped + i < rule.window // 2 or r.totals_at(i)[3] < rule.least or i == 0
-                    or now - int(r.history[i - 1, _END]) > 10 * median_step):
+            if i == 0 or r.dropped + i < rule.window // 2:
+                continue
+            last = r.history[i - 1].tolist()
+            if last[_SUM_PROBED] < rule.least or now - last[_END] > 10 * median_step:
                 continue
             ranks.append(r)
             windows.append(r.probed_window(i, rule.window, rule.least))
@@ -319,12 +334,15 @@ class RankTimes:
         if not windows:
             return {}
         if len({len(w) for w in windows}) == 1:  # (usually: one call for all)
-            rows = np.stack(windows)[:, :, [_STEP, _WAIT, _STEP]]
-            rows[:, :, 0] -= rows[:, :, 1]
-            med = _middle(rows).tolist()
+            rows = np.stack(windows)  # (rank, row, (step, wait))
+            n = rows.shape[1]
+            out = np.empty((len(windows), 3, n), dtype=np.int64)
+            out[:, 0] = rows[:, :, 0] - rows[:, :, 1]
+            out[:, 1], out[:, 2] = rows[:, :, 1], rows[:, :, 0]
+            med = _middle(out.reshape(-1, n)).reshape(len(windows), 3).tolist()
         else:
-            med = [_middle(np.stack((w[:, _STEP] - w[:, _WAIT], w[:, _WAIT], w[:, _STEP])))
-                   .tolist() for w in windows]
+            med = [_middle(np.stack((w[:, 0] - w[:, 1], w[:, 1], w[:, 0]))).tolist()
+                   for w in windows]
         return {r.pid: (m[0], m[1], m[2]) for r, m in zip(ranks, med, strict=True)}
 
     def _excess(self, current: dict[int, tuple[float, float, float]],
