@@ -85,6 +85,16 @@ def final_statistics(**changes: Any) -> dict[str, Any]:
             "losses": ["uprobes: events_dropped 7 (...)"],
         },
         "hangs": [],
+        "fail_slow": [
+            {"event": "fail_slow", "before_step_time_ms": 100.0, "after_step_time_ms": 150.0,
+             "baseline_step_time_ms": 100.0, "phases": None},
+            {"event": "recovered", "before_step_time_ms": 150.0, "after_step_time_ms": 101.0,
+             "baseline_step_time_ms": 100.0, "phases": []},
+            {"event": "fail_slow", "before_step_time_ms": 101.0, "after_step_time_ms": 130.0,
+             "baseline_step_time_ms": 100.0,
+             "phases": [{"phase": "forward", "before_ms": 40.0, "after_ms": 68.0,
+                         "delta_ms": 28.0}]},
+        ],
     }
     fs.update(changes)
     return fs
@@ -105,6 +115,8 @@ def feed(metrics: Metrics, job: str = "llama", host: str = "node-a") -> None:
         metrics.iteration(job, step_s)
     metrics.interval(job, ENTRY)
     metrics.statistics(job, final_statistics(), hung=False)
+    metrics.rank_values(job, 0, 4242, {"compute_seconds": 0.10, "wait_seconds": 0.10,
+                                       "straggler": 0.0})
     metrics.rank_values(job, 1, 4243, {"compute_seconds": 0.15, "wait_seconds": 0.05,
                                        "straggler": 1.0})
     metrics.agent(cpu_seconds_total=12.5, resident_bytes=150_000_000, jobs=1)
@@ -174,9 +186,47 @@ def test_interval_and_statistics_in_prometheus_units(metrics: Metrics) -> None:
     assert value(s, "perfmon_rank_compute_seconds", rank="1", **job) == 0.15
     assert value(s, "perfmon_rank_wait_seconds", rank="1", **job) == 0.05
     assert value(s, "perfmon_rank_straggler", rank="1", **job) == 1
+    # The host's figures for comparing hosts: its ranks' median compute, their wait share.
+    assert value(s, "perfmon_host_compute_seconds", **job) == pytest.approx(0.125)
+    assert value(s, "perfmon_host_wait_ratio", **job) == pytest.approx(0.15 / 0.40)
+    # The episode still open at the end of fail_slow: its ratio to the healthy baseline
+    # and the phase that moved most.
+    assert value(s, "perfmon_fail_slow_active", **job) == 1
+    assert value(s, "perfmon_fail_slow_ratio", phase="forward", **job) == pytest.approx(1.3)
     assert value(s, "perfmon_agent_cpu_seconds_total", host="node-a") == 12.5
     assert value(s, "perfmon_agent_resident_memory_bytes", host="node-a") == 150_000_000
     assert value(s, "perfmon_jobs", host="node-a") == 1
+
+
+def test_fail_slow_ratio_while_an_episode_is_open_and_none_once_it_recovered(
+        metrics: Metrics) -> None:
+    feed(metrics)
+    events = final_statistics()["fail_slow"]
+    unresolved = [{**events[0], "phases": None}]  # phases not known yet
+    metrics.statistics("llama", final_statistics(fail_slow=unresolved), hung=False)
+    s = exposed(metrics)
+    assert value(s, "perfmon_fail_slow_ratio", phase="unknown", **LLAMA) == 1.5
+    assert [lbls for name, lbls in s if name == "perfmon_fail_slow_ratio"] == [
+        frozenset({**LLAMA, "phase": "unknown"}.items())]
+    metrics.statistics("llama", final_statistics(fail_slow=events[:2]), hung=False)
+    s = exposed(metrics)
+    assert value(s, "perfmon_fail_slow_active", **LLAMA) == 0
+    assert "perfmon_fail_slow_ratio" not in names_with(s, job="llama")
+    # A phase outside the fixed set is "unknown" (the label set stays bounded).
+    odd = [{**events[2], "phases": [{"phase": "x" * 500}]}]
+    metrics.statistics("llama", final_statistics(fail_slow=odd), hung=False)
+    assert value(exposed(metrics), "perfmon_fail_slow_ratio", phase="unknown", **LLAMA) == 1.3
+
+
+def test_promtool_unit_tests_of_the_rules_pass() -> None:
+    """docs/prometheus/rules_test.yml: healthy jobs of 2 and 3 hosts get no alert; a slow
+    host (of 2 and of 3), a straggler rank and a fail-slow episode get theirs, and the
+    fail-slow one ends with the episode."""
+    result = subprocess.run([tool("promtool"), "test", "rules", "rules_test.yml"],
+                            cwd=RULES.parent, capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
 
 
 def test_hung_is_one_while_hung(metrics: Metrics) -> None:

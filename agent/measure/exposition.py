@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from perfmon.agent.reducers.phases import PHASES
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -76,7 +77,24 @@ JOB_GAUGES: dict[str, tuple[str, str]] = {
     "hung": (
         "perfmon_hung",
         "1 while the job is hung (no iteration for the hang threshold), else 0."),
+    "host_compute_seconds": (
+        "perfmon_host_compute_seconds",
+        "Median over the job's ranks on this host of their compute seconds per iteration "
+        "(perfmon_rank_compute_seconds): the host's figure when the job's hosts are "
+        "compared."),
+    "host_wait_ratio": (
+        "perfmon_host_wait_ratio",
+        "Share (0..1) of the step time the job's ranks on this host spent waiting: their "
+        "wait seconds over their wait plus compute seconds."),
+    "fail_slow_active": (
+        "perfmon_fail_slow_active",
+        "1 while the job's step time is in a fail-slow episode (a sustained rise not yet "
+        "recovered), else 0."),
 }
+
+# perfmon_fail_slow_ratio's phase label: the phase whose time moved most (a fixed set),
+# "unknown" until stack samples tell.
+FAIL_SLOW_PHASES = (*PHASES, "unknown")
 
 
 @dataclass
@@ -97,6 +115,7 @@ class JobSeries:
     gpu_events: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GPU_EVENT_TYPES, 0))
     losses: dict[tuple[str, str], float] = field(default_factory=dict)  # (source, counter)
     rank_values: dict[str, dict[str, float]] = field(default_factory=dict)  # name->rank->v
+    fail_slow: tuple[float, str] | None = None  # the active episode: (ratio, phase)
     peak_tflops: float | None = None  # the device's dense peak, from mfu and avg TFLOPS
     interval_tflops: float | None = None  # the latest interval's TFLOPS per GPU
 
@@ -157,7 +176,7 @@ def _gauge_families(jobs: list[JobSeries]) -> list[Metric]:
 
 def _labelled_families(jobs: list[JobSeries]) -> list[Metric]:
     """The job's families with one more label from a fixed set (rank and kind, reason,
-    type, source and counter) and its info."""
+    type, source and counter, phase) and its info."""
     memory = GaugeMetricFamily(
         "perfmon_memory_bytes",
         "Peak memory (bytes) of each rank so far: resident set (kind=rss) and GPU "
@@ -180,6 +199,11 @@ def _labelled_families(jobs: list[JobSeries]) -> list[Metric]:
         "perfmon_data_quality_losses",
         "Current value of each source's loss counter (final_statistics.data_quality).",
         labels=[*JOB_LABELS, "source", "counter"])
+    fail_slow = GaugeMetricFamily(
+        "perfmon_fail_slow_ratio",
+        "The step time of the active fail-slow episode over the job's healthy baseline "
+        "(no sample when none is active); phase: the phase whose time moved most.",
+        labels=[*JOB_LABELS, "phase"])
     info = GaugeMetricFamily(
         "perfmon_job_info", "A job this agent monitors (value 1), with static facts.",
         labels=[*JOB_LABELS, "ranks", "processes", "agent_version"])
@@ -194,9 +218,11 @@ def _labelled_families(jobs: list[JobSeries]) -> list[Metric]:
             events.add_metric([*s.labels, kind], float(count))
         for (source, counter), value in sorted(s.losses.items()):
             losses.add_metric([*s.labels, source, counter], value)
+        if s.fail_slow is not None:
+            fail_slow.add_metric([*s.labels, s.fail_slow[1]], s.fail_slow[0])
         info.add_metric([*s.labels, s.info["ranks"], s.info["processes"],
                          s.info["agent_version"]], 1.0)
-    return [memory, job_memory, throttled, events, losses, info]
+    return [memory, job_memory, throttled, events, losses, fail_slow, info]
 
 
 def _rank_families(jobs: list[JobSeries]) -> list[Metric]:

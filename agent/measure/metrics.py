@@ -30,6 +30,7 @@ import errno
 import ipaddress
 import math
 import socket
+import statistics
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +40,7 @@ from wsgiref.simple_server import WSGIServer
 
 from perfmon.agent import agent_version
 from perfmon.agent.measure.exposition import (
+    FAIL_SLOW_PHASES,
     GPU_EVENT_TYPES,
     MAX_THROTTLE_REASONS,
     RANK_VALUE_NAMES,
@@ -265,6 +267,8 @@ class Metrics(Collector):
                 # Counters never go down, even if a caller passes an older summary.
                 state.gpu_events[kind_name] = max(count, state.gpu_events[kind_name])
             state.losses = losses
+            state.fail_slow = _active_fail_slow(fs.get("fail_slow"))
+            state.set_gauge("fail_slow_active", 0.0 if state.fail_slow is None else 1.0)
 
     def rank_values(self, job: str, rank: int | None, pid: int,
                     values: dict[str, float | None]) -> None:
@@ -286,6 +290,7 @@ class Metrics(Collector):
                     per_rank.pop(label, None)
                 else:
                     per_rank[label] = number
+            _host_figures(state)
 
     def job_finished(self, job: str) -> None:
         """Remove every series of the job (a finished job leaves nothing behind)."""
@@ -354,6 +359,36 @@ class Metrics(Collector):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _host_figures(state: JobSeries) -> None:
+    """The host's figures for comparing hosts, from its ranks' latest compute and wait:
+    their median compute, and the share of their time spent waiting."""
+    compute = state.rank_values.get("compute_seconds", {})
+    wait = state.rank_values.get("wait_seconds", {})
+    state.set_gauge("host_compute_seconds",
+                    statistics.median(compute.values()) if compute else None)
+    both = [(compute[r], wait[r]) for r in compute.keys() & wait.keys()]
+    total = sum(c + w for c, w in both)
+    state.set_gauge("host_wait_ratio", sum(w for _, w in both) / total if total > 0 else None)
+
+
+def _active_fail_slow(events: object) -> tuple[float, str] | None:
+    """(step time over the healthy baseline, the phase that moved most) of the fail-slow
+    episode still open at the end of ``events`` (final_statistics.fail_slow), or None."""
+    if not isinstance(events, list) or not events or not isinstance(events[-1], dict):
+        return None
+    last = events[-1]
+    after = _number(last.get("after_step_time_ms"))
+    base = _number(last.get("baseline_step_time_ms")) or _number(
+        last.get("before_step_time_ms"))
+    if last.get("event") != "fail_slow" or after is None or not base:
+        return None
+    phases = last.get("phases")
+    first = phases[0] if isinstance(phases, list) and phases else None
+    phase = first.get("phase") if isinstance(first, dict) else None
+    return after / base, phase if isinstance(phase, str) and phase in FAIL_SLOW_PHASES else (
+        "unknown")
 
 
 class JobMetrics(SessionObserver):
