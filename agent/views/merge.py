@@ -18,7 +18,8 @@ and writes ``job_summary.json`` (schema: docs/job_summary.schema.json):
 - ``final_statistics``: the job's average and percentile step times over the
   aligned intervals, tokens/s, TFLOPS per GPU and MFU, a per-node table, the
   slowest node (the one whose ranks compute longest, else whose step is longest)
-  and by how much, every node's stragglers and fail-slow events (with their host),
+  and by how much, the slow host when one stands out by the rank rule (``slow_host``),
+  every node's stragglers and fail-slow events (with their host),
   and the job's exit cause (the earliest failing rank of any node).
 
 Throughput: every node computes tokens/s and TFLOPS from the job's global batch
@@ -41,6 +42,7 @@ from perfmon.agent.record.layout import SUMMARY_GLOB
 from perfmon.agent.record.outputs import json_bytes, write_user_file
 from perfmon.agent.record.runs import RecordedRun, find_runs, read_summary_run
 from perfmon.agent.reducers.iterations import percentile
+from perfmon.agent.reducers.ranks import MAD_TO_SIGMA, StragglerRule
 from perfmon.parsers.errors import InputFileError
 
 MAX_DEPTH = 3
@@ -92,6 +94,10 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
@@ -125,8 +131,11 @@ class Node:
 
     def compute_ms(self) -> float | None:
         """Its slowest rank's mean compute per step (None without the rank analysis)."""
-        values = [v for r in self.ranks() if (v := _number(r.get("avg_compute_ms"))) is not None]
+        values = self.rank_values("avg_compute_ms")
         return max(values) if values else None
+
+    def rank_values(self, key: str) -> list[float]:
+        return [v for r in self.ranks() if (v := _number(r.get(key))) is not None]
 
     def events(self, key: str) -> list[dict[str, Any]]:
         """Its summaries' ``key`` events (stragglers, fail_slow), each with its host."""
@@ -155,6 +164,7 @@ class Node:
             "iterations": sum(int(i.get("total_iterations") or 0) for i in infos),
             "avg_step_time_ms": self.stat("avg_step_time_ms"),
             "avg_compute_ms": self.compute_ms(),
+            "median_compute_ms": _median(self.rank_values("avg_compute_ms")),
             "avg_tokens_per_sec": self.stat("avg_tokens_per_sec"),
             "avg_samples_per_sec": self.stat("avg_samples_per_sec"),
             "avg_tflops_per_gpu": self.stat("avg_tflops_per_gpu"),
@@ -251,6 +261,8 @@ def merge(runs: list[RecordedRun], job_id: str) -> dict[str, Any]:
             **_job_statistics(rows, logs),
             "nodes": rows,
             "slowest_node": _slowest(rows),
+            "slow_host": slow_host(rows, [v for n in nodes.values()
+                                           for v in n.rank_values("avg_step_time_ms")]),
             "stragglers": [e for n in nodes.values() for e in n.events("stragglers")],
             "fail_slow": [e for n in nodes.values() for e in n.events("fail_slow")],
             "exit_cause": causes[0] if causes else None,
@@ -282,6 +294,31 @@ def _slowest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
                 "others_median_ms": others, "excess_ms": values[host] - others,
                 "excess_pct": 100 * (values[host] / others - 1) if others else None}
     return None
+
+
+def slow_host(rows: list[dict[str, Any]], rank_steps_ms: list[float]
+               ) -> dict[str, Any] | None:
+    """The host whose ranks' median compute stands out among the job's hosts, by the
+    rank rule with hosts for ranks (as the Prometheus rules PerfmonSlowHost): against
+    the reference host (the median host; of two, the faster), an excess above
+    max(k x 1.4826 x the median absolute excess (three hosts or more), 10% of the
+    ranks' mean step, 1 ms). None when no host does (or fewer than two have the figure)."""
+    compute = {r["host"]: v for r in rows if (v := _number(r.get("median_compute_ms")))
+               is not None}
+    if len(compute) < 2 or not rank_steps_ms:
+        return None
+    values = list(compute.values())
+    reference = statistics.median(values) if len(values) >= 3 else min(values)
+    excess = {h: v - reference for h, v in compute.items()}
+    spread = (MAD_TO_SIGMA * statistics.median(abs(e) for e in excess.values())
+              if len(values) >= 3 else 0.0)
+    rule = StragglerRule()
+    bar = max(rule.k * spread, rule.min_share * statistics.fmean(rank_steps_ms), rule.min_ms)
+    host = max(excess, key=excess.__getitem__)
+    if excess[host] <= bar:
+        return None
+    return {"host": host, "median_compute_ms": compute[host], "reference_ms": reference,
+            "excess_ms": excess[host], "bar_ms": bar, "spread_ms": spread}
 
 
 def merge_main(args: argparse.Namespace) -> int:
@@ -326,7 +363,9 @@ def merge_main(args: argparse.Namespace) -> int:
         f"ranks, {stats['intervals']} aligned intervals, step "
         f"{stats['avg_step_time_ms'] or 0:.1f} ms"
         + (f"; slowest node {slowest['host']} (+{slowest['excess_ms']:.1f} ms)"
-           if slowest else "")))
+           if slowest else "")
+        + (f"; slow host {slow['host']} (+{slow['excess_ms']:.1f} ms compute a step)"
+           if (slow := stats["slow_host"]) else "")))
     print(printable(f"job summary: {args.output}"))
     return 0
 
