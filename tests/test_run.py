@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TRAIN_GPT, load_summary, wait_for
+from tests.conftest import TRAIN_GPT, Target, load_summary, wait_for
 from tests.test_security import job_user  # noqa: F401  (the unprivileged job user)
+from tests.test_stragglers import own_change_pct
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 
@@ -41,6 +42,25 @@ def test_torchrun_job_exits_0_and_both_ranks_are_watched_from_their_first_iterat
     # Attached before the job's first iteration: every iteration of rank 0 is counted.
     assert info["total_iterations"] == 120
     assert "perf summary" in done.stderr and done.stdout.count("iteration 50") == 2
+
+
+def test_a_job_slow_from_its_first_iteration_gets_no_fail_slow_event_from_its_warm_up(
+        agent, out_dir: Path, tmp_path: Path) -> None:
+    """Watched from its first iteration, a job's warm-up (its first, slower steps) is no
+    baseline, and a job that computes slowly all along is measured at its own pace."""
+    stamps = tmp_path / "stamps.txt"
+    done = run_agent(agent, out_dir, sys.executable, str(TRAIN_GPT), "--train-iters", "400",
+                     "--slow-ranks", "all", "--slow-ms", "40", "--timestamps", str(stamps))
+    assert done.returncode == 0, done.stderr
+    summary = load_summary(out_dir)
+    assert summary["session_info"]["total_iterations"] == 400
+    # Any event is the job's own clock moving (the shared VM slows a job by itself at
+    # times), never the warm-up or the detector alone.
+    job = Target(None, stamps)  # type: ignore[arg-type]  (only its timestamps are read)
+    for event in summary["final_statistics"]["fail_slow"]:
+        own = own_change_pct(job, event)
+        assert own * event["change_pct"] > 0 and abs(own) >= 0.6 * abs(event["change_pct"]), (
+            own, event)
 
 
 def test_the_job_exit_code_is_passed_through_and_the_summary_written(

@@ -8,7 +8,7 @@ The slowed ranks burn CPU in a forward pre-hook (tests/targets/train_gpt.py
 from __future__ import annotations
 
 import itertools
-import json
+import math
 import random
 import statistics
 import subprocess
@@ -85,62 +85,96 @@ def _job_step_ms(target: Target, since_ns: float, until_ns: float) -> float:
     return statistics.median(steps) / MS
 
 
+# The injected slowdowns (every rank's forward 30% slower for 15 s), in seconds after
+# the job started training: onsets ~15, ~50 and ~90 s after the agent attached (it
+# attaches ~2 s after the job's first iterations).
+WINDOWS_S = ((17, 32), (52, 67), (92, 107))
+
+
 def _slowdown_scenario(agent, tmp_path: Path, port: int) -> tuple[dict, str, Target, float]:
-    """Steady for 130 s, then every rank's forward 30% slower for 22 s, then steady."""
     tmp_path.mkdir()
+    schedule = ",".join(f"{a}-{b}:0.3" for a, b in WINDOWS_S)
     launcher, target = torchrun(agent, tmp_path, port, "--slow-ranks", "all",
-                                "--slow-factor", "0.3", "--slow-from-s", "130",
-                                "--slow-until-s", "152")
+                                "--slow-schedule", schedule)
     first_stamp = target.timestamps()[0][1]
     out = tmp_path / "out"
     out.mkdir()
-    run = agent.run("attach", "--pid", str(launcher.pid), "--duration", "180",
-                    "--output-dir", str(out), timeout_s=280)
+    run = agent.run("attach", "--pid", str(launcher.pid), "--duration", "135",
+                    "--output-dir", str(out), timeout_s=240)
     assert run.returncode == 0, run.stderr
     _reap(launcher)  # the job and its ranks: a second run must not share the CPUs
     return load_summary(out), run.stderr, target, first_stamp
 
 
+def own_change_pct(target: Target, event: dict) -> float:
+    """The change of the job's own step time (its clock) that ``event`` names: from the
+    20 s before its change to the time between the change and its detection."""
+    t, detected = event["t_mono_ns"], event["detected_mono_ns"]
+    return 100 * (_job_step_ms(target, t, detected) / _job_step_ms(target, t - 20e9, t) - 1)
+
+
+def _noise_s(event: dict) -> float:
+    """How much longer than for a shift of 2 d or more the rule waits for ``event``'s."""
+    d = math.log1p(event["min_shift_pct"] / 100)
+    size = abs(math.log1p(event["change_pct"] / 100))
+    return min(25.0, 10 * max(1.0, 2 * d / size)) - 10
+
+
+def _check_slowdowns(stats: dict, stderr: str, target: Target, first_stamp: float) -> None:
+    assert stats["stragglers"] == []  # no rank slower than the others
+    events = list(stats["fail_slow"])
+    named_forward = 0
+    for a, b in WINDOWS_S:
+        onset, end = first_stamp + a * 1e9, first_stamp + b * 1e9
+        slow = next(e for e in events if e["event"] == "fail_slow"
+                    and abs(e["t_mono_ns"] - onset) < 5e9)
+        # Reported within 15 s of its start, and the longer a noisy job needs to call
+        # it sustained (10 s x 2 d / shift, docs/stragglers.md: on this shared VM d is
+        # 12-20%), the shift the job's own clock shows within 10 points (a 30% slower
+        # forward costs the step more or less with the VM's load).
+        assert slow["detected_mono_ns"] - onset <= (15 + _noise_s(slow)) * 1e9, (a, slow)
+        own = 100 * (_job_step_ms(target, onset, end)
+                     / _job_step_ms(target, onset - 15e9, onset) - 1)
+        assert own >= 10 and abs(slow["change_pct"] - own) <= 10, (a, slow, own)
+        assert {r["rank"] for r in slow["ranks"] if r["moved"]} == {0, 1}
+        named_forward += "forward" in [p["phase"] for p in slow["phases"]]
+        recovered = next(e for e in events if e["event"] == "recovered"
+                         and abs(e["t_mono_ns"] - end) < 5e9)
+        assert recovered["detected_mono_ns"] - end <= (15 + _noise_s(recovered)) * 1e9, (
+            b, recovered)
+        events.remove(slow)
+        events.remove(recovered)
+    # The forward moved (the slowdown is in a forward pre-hook). Phases come from the
+    # primary's stack samples in bursts, so another phase may come out ahead once.
+    assert named_forward >= 2, stats["fail_slow"]
+    # Any other event is the job's own clock moving (the shared VM slows the job by
+    # itself now and then), never the detector alone.
+    for e in events:
+        own = own_change_pct(target, e)
+        assert own * e["change_pct"] > 0 and abs(own) >= 0.6 * abs(e["change_pct"]), (
+            f"false {e['event']}: the job's own step moved {own:.1f}%", e)
+    assert "fail-slow: step time" in stderr and "recovered: step time" in stderr
+
+
 @pytest.mark.usefixtures("ebpf")
-def test_a_steady_job_gets_no_event_then_a_30pct_slowdown_one_and_its_end_a_recovery(
+def test_slowdowns_from_15_45_and_90s_after_attach_are_reported_within_15s_with_recovery(
         agent, tmp_path):
+    failures = []
     for attempt in (1, 2):
         summary, stderr, target, first_stamp = _slowdown_scenario(
             agent, tmp_path / f"try{attempt}", 29572 + attempt)
-        info, stats = summary["session_info"], summary["final_statistics"]
-        assert stats["stragglers"] == []  # no rank slower than the others
-        slow_from = first_stamp + 130e9  # (+ the few iterations before the first stamp)
-        slow_until = first_stamp + 152e9
-        assert slow_from > info["attach_monotonic_ns"] + 120e9  # 2 minutes of a steady job
-        early = [e for e in stats["fail_slow"] if e["t_mono_ns"] < slow_from - 5e9]
-        if not early:
-            break
-        # An event before the slowdown is a false positive unless the job's own clock
-        # moved too: the machine itself slowed the job (it happens on a shared VM),
-        # and the detector was right. Such a run proves nothing either way: once more.
-        c = early[0]["t_mono_ns"]
-        own = _job_step_ms(target, c, c + 15e9) / _job_step_ms(target, c - 15e9, c) - 1
-        assert own * 100 >= 0.6 * early[0]["change_pct"], (
-            f"false positive: the job's own step moved {own:.1%}", early)
-    else:
-        pytest.fail("the machine slowed the job by itself in both runs")
-    kinds = [e["event"] for e in stats["fail_slow"]]
-    assert kinds == ["fail_slow", "recovered"], json.dumps(stats["fail_slow"], indent=1)
-    slow, recovered = stats["fail_slow"]
-    assert abs(slow["t_mono_ns"] - slow_from) < 5e9
-    assert slow["detected_mono_ns"] - slow_from < 60e9
-    # The shift the job's own clock shows (a 30% slower forward costs the step more or
-    # less than 30% with the VM's load), within 10 points.
-    own_pct = 100 * (_job_step_ms(target, slow_from, slow_until)
-                     / _job_step_ms(target, slow_from - 20e9, slow_from) - 1)
-    assert own_pct >= 10 and abs(slow["change_pct"] - own_pct) <= 10, (slow, own_pct)
-    # The forward moved (the slowdown is in a forward pre-hook). Phases come from the
-    # primary's stack samples, so another phase may come out ahead on a busy machine.
-    assert "forward" in [p["phase"] for p in slow["phases"]], slow["phases"]
-    assert {r["rank"] for r in slow["ranks"] if r["moved"]} == {0, 1}
-    assert abs(recovered["t_mono_ns"] - slow_until) < 5e9
-    assert recovered["detected_mono_ns"] - slow_until < 60e9
-    assert "fail-slow: step time" in stderr and "recovered: step time" in stderr
+        info = summary["session_info"]
+        # The first onset comes ~15 s after attach: no blind window before it.
+        assert 12e9 <= first_stamp + WINDOWS_S[0][0] * 1e9 - info["attach_monotonic_ns"] <= 18e9
+        try:
+            _check_slowdowns(summary["final_statistics"], stderr, target, first_stamp)
+            return
+        except (AssertionError, StopIteration) as err:
+            # The shared 2-core VM slows the job by itself at times (its own clock
+            # shows it), and a slowdown of its own on top of an injected one moves that
+            # one's figures: once more, and both runs must not fail.
+            failures.append(f"run {attempt}: {err!r}"[:3000])
+    pytest.fail("\n".join(failures))
 
 
 # -- the rules on exact record streams --------------------------------------------------
@@ -235,15 +269,62 @@ def test_fail_slow_on_a_noisy_steady_run_is_quiet_and_a_30pct_rise_and_return_ar
     assert fail.events == []
 
 
-def test_a_slow_drift_is_followed_and_a_short_bump_is_not_sustained():
+def test_a_gradual_drift_is_reported_once_past_the_threshold_and_a_short_bump_is_not():
     rng = random.Random(5)
     fail = FailSlow(str)
-    t = _steps(fail, 1500, 100, 0, 0.05, rng)
-    for i in range(6000):  # +20% over 10 minutes: 0.03% per 100 ms step
-        t = _steps(fail, 1, 100 * (1 + 0.2 * i / 6000), t, 0.05, rng)
-    t = _steps(fail, 60, 140, t, 0.05, rng)  # 8 s at +40%: not sustained (15 s)
-    _steps(fail, 3000, 120, t, 0.05, rng)
+    t = _steps(fail, 600, 100, 0, 0.05, rng)
+    began = t
+    for i in range(1800):  # +10% over 3 minutes (thermal creep): 0.006% per 100 ms step
+        t = _steps(fail, 1, 100 * (1 + 0.1 * i / 1800), t, 0.05, rng)
+    # Reported once past the 3% floor (54 s into the creep), as a drift dated from where
+    # it left the healthy pace; as it goes on, a further rise may be another event.
+    event, *further = fail.events
+    assert event["event"] == "fail_slow" and event["drift"], event
+    assert 54e9 <= event["detected_mono_ns"] - began <= 120e9
+    assert 0 <= event["t_mono_ns"] - began <= 45e9, (event["t_mono_ns"] - began) / 1e9
+    assert event["before_step_time_ms"] == pytest.approx(100, rel=0.02)
+    assert all(e["event"] == "fail_slow" for e in further)
+    # A bump of 7 s at +40% is not sustained (10 s): nothing.
+    fail = FailSlow(str)
+    t = _steps(fail, 600, 100, 0, 0.05, rng)
+    t = _steps(fail, 50, 140, t, 0.05, rng)
+    _steps(fail, 1200, 100, t, 0.05, rng)
     assert fail.events == []
+
+
+@pytest.mark.parametrize("step_ms", [100, 250])
+def test_a_shift_from_10s_after_the_first_iteration_is_reported_within_15s(step_ms):
+    for rise, within_s in ((0.30, 15), (0.10, 15), (0.05, 30)):
+        rng = random.Random(int(rise * 100) + step_ms)
+        fail = FailSlow(str)
+        # Warm-up: a few slow first steps, then the job's pace.
+        t = _steps(fail, 5, step_ms * 3, 0, 0.03, rng)
+        t = _steps(fail, round(10_000 / step_ms), step_ms, t, 0.03, rng)
+        change = t
+        t = _steps(fail, round(40_000 / step_ms), step_ms * (1 + rise), t, 0.03, rng)
+        back = t
+        _steps(fail, round(40_000 / step_ms), step_ms, t, 0.03, rng)
+        kinds = [e["event"] for e in fail.events]
+        assert kinds == ["fail_slow", "recovered"], (rise, step_ms, fail.events)
+        slow, recovered = fail.events
+        assert slow["detected_mono_ns"] - change <= within_s * 1e9, (rise, step_ms)
+        assert abs(slow["t_mono_ns"] - change) <= 3e9
+        assert slow["change_pct"] == pytest.approx(100 * rise, abs=2)
+        # Recovery: a fall of the same size, as quickly.
+        assert recovered["detected_mono_ns"] - back <= within_s * 1e9, (rise, step_ms)
+        # The slow first steps were warm-up, left out of the baseline.
+        assert fail.warmup_until_ns is not None and fail.warmup_until_ns >= 5 * step_ms * 3e6
+        assert slow["before_step_time_ms"] == pytest.approx(step_ms, rel=0.02)
+
+
+def test_a_job_slow_from_its_first_iteration_has_no_event_from_its_warm_up():
+    rng = random.Random(9)
+    fail = FailSlow(str)
+    t = 0
+    for i in range(40):  # a warm-up that eases off over 4 s (compilation, caches)
+        t = _steps(fail, 1, 300 - 5 * i, t, 0.02, rng)
+    _steps(fail, 1500, 130, t, 0.05, rng)  # then slow all along: its own pace
+    assert fail.events == [] and fail.baseline == pytest.approx(130 * MS, rel=0.05)
 
 
 def test_a_job_that_speeds_up_after_warm_up_rebaselines_without_an_event():

@@ -97,7 +97,7 @@ class Summarizer:
         self.exits = Exits(self.wall_time)
         self.ranks = RankTimes(ranks or {primary_pid: None}, primary_pid, start_t_mono_ns,
                                self.wall_time)
-        self.failslow = FailSlow(self.wall_time, self.ranks, start_t_mono_ns=start_t_mono_ns)
+        self.failslow = FailSlow(self.wall_time, self.ranks)
         self.intervals = Intervals(
             clock=self.clock, phases=self.phases, resources=self.resources, cuda=self.cuda,
             log_interval=log_interval, max_log_entries=max_log_entries,

@@ -1,50 +1,61 @@
 """Fail-slow: a sustained shift of the job's step time, and its recovery.
 
 Online change-point detection by CUSUM on block medians of the primary rank's step
-time against a level that follows the healthy job (``FailSlowRule``):
+time, against a level that follows the job and a baseline, its healthy pace
+(``FailSlowRule``; docs/stragglers.md says the same):
 
-- Settling: iterations in the first ``settle_s`` (30 s) after the agent attached are
-  not looked at (the agent's own start, probes attaching and its CPU budget
-  settling, moves the step time of a busy node).
-- Blocks: the step times are grouped into blocks of B iterations, B = ``block_s``
-  (2 s) of steps at the median of the first 10, clamped to 5..50; each block is
-  reduced to its median m, so one slow iteration (a GC pause, a checkpoint) moves
-  nothing.
-- Level: healthy, the median of the last ``level_blocks`` (30, ~1 min) healthy
-  blocks (at least ``baseline_blocks``, 5): a slow wander of the job is followed,
-  not reported. Blocks of a shift that is building (a sum above d) are kept apart
-  until it is confirmed or dropped, so that a change never becomes its own level.
-- Noise: sigma = 1.4826 x the median of |ln(m_i / m_i-1)| over the last 30 pairs of
-  successive healthy blocks, / sqrt(2) (a shift of the level moves one difference
-  only). The smallest shift reported is d = max(ln(1 + threshold), z x sigma),
-  threshold 5 %, z = 3: 5 % on a quiet node, more on a noisy one. No alarm before
-  ``noise_blocks`` (10) differences are in.
+- Blocks: the step times are grouped into blocks of ``block_s`` (2 s) of steps (5 to
+  50 of them); each block is reduced to its median m, so one slow iteration (a GC
+  pause, a checkpoint) moves nothing.
+- Warm-up: the first blocks are left out until ``settle_blocks`` (3) in a row lie
+  within d of their median (or after ``settle_max_blocks``, 15): a job's first
+  steps (compilation, caches, the agent's probes attaching) are no baseline, and a
+  job slow from its first iteration is measured at its own pace. Those 3 blocks
+  form the level and the baseline: ~6 s after the first iteration seen.
+- Level: the median of the last ``level_blocks`` (30, ~1 min) blocks of the current
+  pace. Blocks of a shift that is building are kept apart until both sums are back
+  at 0 (or there are 30 of them), so that a change never becomes its own level;
+  after a confirmed change the level forms again from its first 3 blocks.
+  Baseline: the healthy level, following it down (a job that speeds up), never up.
+- Noise: sigma of a block median, from the steps inside the blocks (1.4826 x their
+  median absolute deviation x 1.2533 / sqrt(B), the median over the last 30
+  blocks) and, once 10 pairs of successive healthy blocks are in, from their
+  differences (1.4826 x the median |ln(m_i / m_i-1)| / sqrt(2)), whichever is
+  larger. The smallest shift reported: d = max(ln(1 + threshold), z x sigma),
+  threshold 3 %, z = 3.
 - With x = ln(m / level) and k = d / 2, S+ = max(0, S+ + x - k) and
   S- = max(0, S- - x - k); a sum above 2 d raises an alarm. The change point is the
   first block of the run's last stretch of blocks nearer the new level (the median
   of the last ``confirm_blocks``, 3) than the old. The alarm is confirmed once the
-  blocks since the change point cover ``confirm_s`` (15 s: sustained) and their
-  median is at least d from the level; if the last blocks are back within d / 2,
-  the sums restart.
-- Healthy, a confirmed rise is a ``fail_slow`` event (the level before it is kept as
-  the baseline); a confirmed fall is a new level (a job that sped up), no event.
-  Slow, a fall back within d of the baseline (or below it) is a ``recovered`` event; a further
-  rise is another ``fail_slow`` event; any other confirmed change moves the slow
-  level.
+  blocks from the change point to the last one still nearer the new level cover
+  ``sustain_s`` (10 s) for a shift of 2 d or more, 10 s x 2 d / shift for a smaller
+  one (at most ``sustain_max_s``, 25 s), and the shift (the median of those blocks,
+  the first left out) is at least max(threshold, d / 2); if the last blocks are
+  back within d / 4, the sums restart.
+- Drift: healthy, when every block of the last 10 s is d or more above the
+  baseline though the sums never confirmed a step (a creep), that is a
+  ``fail_slow`` event too. Any rise whose last block at or below the baseline lies
+  more than 20 s before its change point is marked ``drift`` and dated from there.
+- Healthy, a confirmed rise is a ``fail_slow`` event (before: the level); a
+  confirmed fall is a new pace (a job that sped up), no event. Slow, a fall back
+  within d of the baseline (or below it) is a ``recovered`` event; a further rise
+  is another ``fail_slow`` event; any other confirmed change moves the slow level.
 
-At ~100 ms steps (20-iteration blocks), a 30 % rise is confirmed ~15-20 s after it
-starts (once the first 30 s and ~15 blocks are past). The event names the time,
-the before/after means, each rank's compute and wait before and after, the phases
-whose time moved and the interval fields (memory, GPU utilization, power,
-throttling) that changed. Phases and fields come from the iteration_logs entries
-on either side of the change (since the previous event, until the next), filled in
-by ``resolve`` once 3 entries with phases exist on each side: with stack samples in
-bursts few entries have phases, so ``wants_samples`` asks the session to sample
-continuously for up to ``boost_s`` (30 s) after a detection.
+At 100-250 ms steps a rise of 10 % or more is confirmed ~10-13 s after it starts, a
+5 % one within ~15-25 s (on a quiet job), as soon as the baseline has formed. The
+event names the time, the before/after means, each rank's compute and wait before
+and after, the phases whose time moved and the interval fields (memory, GPU
+utilization, power, throttling) that changed. Phases and fields come from the
+iteration_logs entries on either side of the change (since the previous event,
+until the next), filled in by ``resolve`` once 3 entries with phases exist on each
+side: with stack samples in bursts few entries have phases, so ``wants_samples``
+asks the session to sample continuously for up to ``boost_s`` (30 s) after a
+detection.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -62,119 +73,158 @@ _NOT_STATE = {"end_monotonic_ns", "iteration", "timestamp", "step_time_ms", "TFL
 
 @dataclass(frozen=True)
 class FailSlowRule:
-    threshold: float = 0.05
+    threshold: float = 0.03
     block_s: float = 2.0
     min_block: int = 5
     max_block: int = 50
-    baseline_blocks: int = 5
+    settle_blocks: int = 3  # blocks in a row within d of their median end the warm-up
+    settle_max_blocks: int = 15  # ... or this many blocks (a job too noisy to agree)
     level_blocks: int = 30
-    noise_blocks: int = 10
+    baseline_blocks: int = 300  # healthy blocks whose median is the baseline (~10 min)
+    noise_blocks: int = 30  # successive healthy blocks whose differences give the noise
+    noise_min: int = 10  # ... trusted from this many on (the noise inside blocks till then)
     confirm_blocks: int = 3
-    confirm_s: float = 15.0
+    sustain_s: float = 10.0  # a shift of 2 d or more is confirmed after this long
+    sustain_max_s: float = 25.0  # ... a smaller one after up to this long
     z: float = 3.0
     boost_s: float = 30.0
-    settle_s: float = 30.0
     phase_entries: int = 3  # iteration_logs entries with phases needed on each side
+    before_blocks: int = 10  # blocks before a change whose rows give each rank's before
 
 
 class FailSlow:
     """Feed the primary's step times (``on_iteration``); events in ``events``."""
 
     def __init__(self, wall_time: Callable[[int], str], ranks: RankTimes | None = None,
-                 rule: FailSlowRule | None = None, start_t_mono_ns: int = 0) -> None:
+                 rule: FailSlowRule | None = None) -> None:
         self.rule = rule or FailSlowRule()
-        # Iterations before this are not looked at: the agent's own start (probes
-        # attaching, the CPU budget settling) moves the step time of a busy node.
-        self.settled_ns = start_t_mono_ns + int(self.rule.settle_s * 1e9)
         self.wall_time = wall_time
         self.ranks = ranks
         self.events: list[dict[str, Any]] = []
         self.new_events: list[dict[str, Any]] = []  # for live lines
-        self.block: int | None = None  # iterations per block, once known
+        self.warmup_until_ns: int | None = None  # the end of the blocks left out as warm-up
         self._current: list[tuple[int, int]] = []  # (end, step) of the block being filled
         self._blocks: list[tuple[int, int, float]] = []  # (start, end, median step ns)
-        self.baseline: float | None = None  # ns
-        self.level: float | None = None  # the current level (baseline unless slow)
+        self.baseline: float | None = None  # ns: the healthy pace
+        self.level: float | None = None  # the current level (follows the job)
         self.slow = False
         self._up = self._down = 0.0
         self._up_from = self._down_from = 0  # index in _blocks of the change point
-        # The last healthy blocks (their median is the level) and their x: the noise.
-        self._healthy: deque[float] = deque(maxlen=self.rule.level_blocks)
-        self._noise: deque[float] = deque(maxlen=self.rule.level_blocks)
+        self._at_baseline = 0  # index in _blocks of the last block near the baseline
+        self._healthy: deque[float] = deque(maxlen=self.rule.baseline_blocks)
+        self._forming = 0  # blocks still to join the level as it forms after a change
+        # The last blocks of the current pace (their median is the level), and the
+        # differences of successive healthy blocks.
+        self._pace: deque[float] = deque(maxlen=self.rule.level_blocks)
+        self._noise: deque[float] = deque(maxlen=self.rule.noise_blocks)
+        self._within: deque[float] = deque(maxlen=self.rule.noise_blocks)  # sigma in blocks
         self._pending: list[float] = []  # block medians while a shift builds
 
     @property
     def shift(self) -> float:
         """d: the smallest shift reported (log units)."""
         floor = math.log1p(self.rule.threshold)
-        if not self._noise:
-            return floor
-        # From successive blocks: a shift of the level moves one difference only.
-        sigma = MAD_TO_SIGMA * statistics.median(abs(x) for x in self._noise) / math.sqrt(2)
+        # The noise of a block median: from the steps inside the blocks (known from
+        # the first block), and from successive blocks once a few are in (a shift of
+        # the level moves one difference only), whichever is larger.
+        sigma = statistics.median(self._within) if self._within else 0.0
+        if len(self._noise) >= self.rule.noise_min:
+            sigma = max(sigma, MAD_TO_SIGMA * statistics.median(abs(x) for x in self._noise)
+                        / math.sqrt(2))
         return max(floor, self.rule.z * sigma)
 
     def on_iteration(self, end_ns: int, step_ns: int) -> None:
-        if end_ns - step_ns < self.settled_ns:
+        # Blocks by time (block_s of steps, min_block..max_block of them), so that a
+        # block spans the same time whatever the pace, warm-up or not.
+        current = self._current
+        current.append((end_ns, step_ns))
+        if len(current) < self.rule.max_block and (
+                len(current) < self.rule.min_block
+                or end_ns - current[0][0] + current[0][1] < self.rule.block_s * 1e9):
             return
-        if self.block is None:  # sized on the median of the first 10 steps
-            self._current.append((end_ns, step_ns))
-            if len(self._current) < 10:
-                return
-            median = statistics.median(s for _, s in self._current)
-            self.block = min(self.rule.max_block, max(
-                self.rule.min_block, round(self.rule.block_s * 1e9 / max(median, 1))))
-            pending, self._current = self._current, []
-            for end, step in pending:
-                self._add(end, step)
-            return
-        self._add(end_ns, step_ns)
-
-    def _add(self, end_ns: int, step_ns: int) -> None:
-        assert self.block is not None
-        self._current.append((end_ns, step_ns))
-        if len(self._current) < self.block:
-            return
-        block, self._current = self._current, []
+        block, self._current = current, []
         start = block[0][0] - block[0][1]
-        self._blocks.append((start, block[-1][0], statistics.median(s for _, s in block)))
+        logs = [math.log(max(s, 1)) for _, s in block]
+        centre = statistics.median(logs)
+        # The spread of a median of B steps: 1.2533 sigma / sqrt(B) (normal steps).
+        self._within.append(MAD_TO_SIGMA * statistics.median(abs(x - centre) for x in logs)
+                            * 1.2533 / math.sqrt(len(logs)))
+        self._blocks.append((start, block[-1][0], math.exp(centre)))
         # Blocks are small (one every ~2 s); keep what the change points need.
         if len(self._blocks) > 4096:
             drop = len(self._blocks) - 2048
             del self._blocks[:drop]
             self._up_from = max(0, self._up_from - drop)
             self._down_from = max(0, self._down_from - drop)
+            self._at_baseline = max(0, self._at_baseline - drop)
         self._on_block()
 
-    def _on_block(self) -> None:
+    def _settled(self) -> bool:
+        """Whether the warm-up is over: the last blocks agree (within d), or there have
+        been settle_max_blocks. The blocks before them are left out."""
         rule = self.rule
+        last = [b[2] for b in self._blocks[-rule.settle_blocks:]]
+        if len(last) < rule.settle_blocks:
+            return False
+        centre = statistics.median(last)
+        if (max(abs(math.log(m / centre)) for m in last) > self.shift
+                and len(self._blocks) < rule.settle_max_blocks):
+            return False
+        self.warmup_until_ns = self._blocks[-rule.settle_blocks][0]
+        self._pace.extend(last)
+        self._noise.extend(math.log(b / a) for a, b in itertools.pairwise(last))
+        self._healthy.extend(last)
+        self.baseline = self.level = statistics.median(self._pace)
+        self._at_baseline = len(self._blocks) - 1
+        return True
+
+    def _on_block(self) -> None:
         i = len(self._blocks) - 1
         m = self._blocks[i][2]
-        if not self.slow:
-            if len(self._healthy) < rule.baseline_blocks:
+        if self.baseline is None:
+            self._settled()
+            return
+        # The level follows the job at its current pace, healthy or slow: the median of
+        # the last blocks of that pace. Healthy, the baseline is the median of the last
+        # ~10 minutes of healthy blocks: a creep stands out against it, and the job's
+        # wander over minutes is no creep.
+        if self._forming:  # (a level just after a change forms from its first blocks)
+            self._forming -= 1
+            self._pace.append(m)
+            if not self.slow:
                 self._healthy.append(m)
-                return
-            # Healthy, the level follows the job: the median of the last healthy blocks.
-            self.baseline = self.level = statistics.median(self._healthy)
-        assert self.level is not None and self.baseline is not None
+            self.level = statistics.median(self._pace)
+            return
+        self.level = statistics.median(self._pace)
+        if not self.slow:
+            self.baseline = statistics.median(self._healthy)
         x = math.log(m / self.level)
         d = self.shift
-        if i and not self.slow:
+        if not self.slow:
             self._noise.append(math.log(m / self._blocks[i - 1][2]))
-        if len(self._noise) < rule.noise_blocks:  # the noise is not known yet: no alarm
-            self._healthy.append(m)
-            return
+        if m <= self.baseline:
+            self._at_baseline = i
         if self._up == 0:
             self._up_from = i
         if self._down == 0:
             self._down_from = i
         self._up = max(0.0, self._up + x - d / 2)
         self._down = max(0.0, self._down - x - d / 2)
-        if not self.slow:
-            # Blocks of a shift that is building are kept apart, so that a change
-            # never becomes the level it is measured against.
-            self._pending.append(m)
-            if max(self._up, self._down) <= d:
-                self._settle_pending()
+        # Blocks of a shift that is building are kept apart, so that a change never
+        # becomes the level it is measured against. They join the level once both sums
+        # are back at 0, or once there are as many as the level holds (a new pace the
+        # sums never confirmed: the baseline still sees it, _drift).
+        self._pending.append(m)
+        if self._up == self._down == 0 or len(self._pending) >= self.rule.level_blocks:
+            self._settle_pending()
+        if self._step_change(i, d) or self._drift(i, d):
+            self._up = self._down = 0.0
+            self._settle_pending()
+
+    def _step_change(self, i: int, d: float) -> bool:
+        """A confirmed step of the level (True: the sums start again)."""
+        assert self.level is not None
+        rule = self.rule
         for sign, alarm, run_from in ((1, self._up > 2 * d, self._up_from),
                                       (-1, self._down > 2 * d, self._down_from)):
             if not alarm or i - run_from + 1 < rule.confirm_blocks:
@@ -182,34 +232,77 @@ class FailSlow:
             # The change point: the first block of the run's last stretch of blocks
             # nearer the new level (the median of the last few) than the old one.
             guess = statistics.median(b[2] for b in self._blocks[-rule.confirm_blocks:])
-            if sign * math.log(guess / self.level) < d / 2:
-                break  # the last blocks are back: what built the sum has passed
+            if sign * math.log(guess / self.level) < d / 4:
+                return True  # the last blocks are back: what built the sum has passed
             start = i
             while start > run_from and (abs(math.log(self._blocks[start - 1][2] / guess))
                                         < abs(math.log(self._blocks[start - 1][2]
                                                        / self.level))):
                 start -= 1
-            if self._blocks[i][1] - self._blocks[start][0] < rule.confirm_s * 1e9:
-                continue  # not sustained (yet): the sums go on
             recent = [b[2] for b in self._blocks[start:]]
-            after = statistics.median(recent)
-            if sign * math.log(after / self.level) >= d:
-                self._changed(start, after, d, recent)
-                self._pending.clear()
-            break
-        else:
-            return
-        self._up = self._down = 0.0
-        self._settle_pending()
+            # (the first block may hold steps from before the change)
+            after = statistics.median(recent[1:] if len(recent) > rule.confirm_blocks
+                                      else recent)
+            size = abs(math.log(after / self.level))
+            # Sustained: a shift of 2 d or more for sustain_s, a smaller one for longer,
+            # from the change point to the end of the last block still shifted.
+            need_s = min(rule.sustain_max_s, rule.sustain_s * max(1.0, 2 * d / max(size, 1e-9)))
+            last = i  # (still shifted: nearer the new level than the old)
+            while last > start and (abs(math.log(self._blocks[last][2] / after))
+                                    > abs(math.log(self._blocks[last][2] / self.level))):
+                last -= 1
+            if self._blocks[last][1] - self._blocks[start][0] < need_s * 1e9:
+                return False  # not sustained (yet): the sums go on
+            # (the alarm is the evidence: the shift's own size need only come near d;
+            # below that the sums go on, until its blocks join the level)
+            if size < max(math.log1p(rule.threshold), d / 2):
+                return False
+            self._changed(start, after, d, recent)
+            self._pending.clear()
+            return True
+        return False
+
+    def _drift(self, i: int, d: float) -> bool:
+        """Healthy, a level that crept away from the baseline (each step too small for
+        the sums, e.g. thermal creep): a fail_slow event (``drift``) dated from the last
+        block at or below the baseline, once the last sustain_s of blocks are all d or
+        more above it."""
+        assert self.baseline is not None
+        if self.slow or self._up > d:  # (a step that builds is the sums' to confirm)
+            return False
+        since = i
+        while since > 0 and self._blocks[i][1] - self._blocks[since][0] < (
+                self.rule.sustain_s * 1e9):
+            since -= 1
+        recent = [b[2] for b in self._blocks[since:i + 1]]
+        if since == 0 or min(math.log(m / self.baseline) for m in recent) < d:
+            return False
+        start = min(self._at_baseline + 1, i)
+        self.level = self.baseline
+        self._changed(start, statistics.median(recent), d, [b[2] for b in self._blocks[start:]],
+                      drift=True)
+        self._pending.clear()
+        return True
 
     def _settle_pending(self) -> None:
         """The pending blocks were no change: into the level."""
+        self._pace.extend(self._pending)
         if not self.slow:
             self._healthy.extend(self._pending)
         self._pending.clear()
 
-    def _changed(self, start: int, after: float, threshold: float, recent: list[float]
-                 ) -> None:
+    def _at_pace(self, level: float, blocks: list[float]) -> None:
+        """A confirmed change: the level starts again from the blocks since it."""
+        self.level = level
+        self._pace.clear()
+        self._pace.extend(blocks)
+        if not self.slow:  # (at the healthy pace again: from here a creep would start)
+            self._healthy.extend(blocks)
+            self._at_baseline = len(self._blocks) - 1
+        self._forming = self.rule.settle_blocks
+
+    def _changed(self, start: int, after: float, threshold: float, recent: list[float],
+                 drift: bool = False) -> None:
         assert self.level is not None and self.baseline is not None
         before = self.level
         if after > before:  # slower (than the healthy level, or than the slow level)
@@ -217,20 +310,26 @@ class FailSlow:
         elif self.slow and math.log(after / self.baseline) < threshold:
             kind = "recovered"  # back within d of the baseline, or faster
         else:
-            if not self.slow:  # faster: the healthy level starts again from here
+            if not self.slow:  # faster: the healthy pace starts again from here
+                self.baseline = after
                 self._healthy.clear()
-                self._healthy.extend(recent)
-            self.level = after  # (slow: partly back, still slow at a new level)
+            self._at_pace(after, recent)  # (slow: partly back, still slow at a new level)
             return
         change_ns, detected_ns = self._blocks[start][0], self._blocks[-1][1]
-        before_from = self._blocks[max(0, start - 2 * self.rule.baseline_blocks)][0]
+        if kind == "fail_slow" and not self.slow:
+            # When the job last ran at its healthy pace: long before the change point,
+            # the rise was a creep (a drift), dated from there.
+            began_ns = self._blocks[min(self._at_baseline + 1, start)][0]
+            drift = drift or change_ns - began_ns > 2 * self.rule.sustain_s * 1e9
+            change_ns = began_ns if drift else change_ns
+        before_from = self._blocks[max(0, start - self.rule.before_blocks)][0]
         event: dict[str, Any] = {
             "event": kind, "t_mono_ns": change_ns, "timestamp": self.wall_time(change_ns),
             "detected_mono_ns": detected_ns, "detected": self.wall_time(detected_ns),
             "before_step_time_ms": before / 1e6, "after_step_time_ms": after / 1e6,
             "change_pct": 100 * (after / before - 1),
             "baseline_step_time_ms": self.baseline / 1e6,
-            "min_shift_pct": 100 * math.expm1(threshold),
+            "min_shift_pct": 100 * math.expm1(threshold), "drift": drift,
             "_before_from_ns": before_from, "_settled_ns": self._blocks[start][1],
             "ranks": self._ranks(before_from, change_ns),
             "phases": None, "state": None,
@@ -240,10 +339,7 @@ class FailSlow:
             del self.events[0]
         self.new_events.append(event)
         self.slow = kind == "fail_slow"
-        self.level = after
-        if not self.slow:  # recovered: healthy again, from the blocks just seen
-            self._healthy.clear()
-            self._healthy.extend(recent)
+        self._at_pace(after, recent)
 
     def _ranks(self, before_from: int, change_ns: int) -> list[dict[str, Any]]:
         """Each rank's compute and wait before and after the change (its recent ends)."""

@@ -118,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-factor", type=float, default=0.0,
                    help="instead of --slow-ms: this fraction of the median step time the rank "
                         "measured before the slowdown (a GPU throttled by that much)")
+    p.add_argument("--slow-schedule", default="",
+                   help="slowdowns of the slow ranks by time: FROM-UNTIL:FACTOR,... (seconds "
+                        "after training started; FACTOR as for --slow-factor)")
     # Flags it does not use are ignored, as launchers often pass more than a
     # script reads (e.g. --config_name, --global-batch-size for the agent to find).
     return p.parse_known_args(argv)[0]
@@ -136,7 +139,19 @@ def busy_wait(seconds: float) -> None:
         pass
 
 
+def scheduled(args: argparse.Namespace, elapsed_s: float) -> float:
+    """The --slow-schedule factor at ``elapsed_s`` (0: none)."""
+    for window in filter(None, args.slow_schedule.split(",")):
+        span, _, factor = window.partition(":")
+        start, _, end = span.partition("-")
+        if float(start) <= elapsed_s < float(end):
+            return float(factor)
+    return 0.0
+
+
 def slowed(args: argparse.Namespace, rank: int, iteration: int, elapsed_s: float) -> bool:
+    if args.slow_schedule:
+        args.slow_factor = scheduled(args, elapsed_s)
     if not (args.slow_ms or args.slow_factor) or iteration < args.slow_from:
         return False
     if args.slow_until and iteration >= args.slow_until:
@@ -178,7 +193,7 @@ def train(args: argparse.Namespace) -> None:
     # A slowed rank computes longer inside its forward (a pre-hook: the time is the
     # model's, as a throttled GPU's would be).
     slow = {"s": 0.0}
-    if args.slow_ms or args.slow_factor:
+    if args.slow_ms or args.slow_factor or args.slow_schedule:
         model.register_forward_pre_hook(lambda _m, _i: busy_wait(slow["s"]) if slow["s"] else None)
     if args.tp_collectives:
         add_tp_collectives(model, args.tp_collectives)
