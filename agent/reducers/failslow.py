@@ -279,8 +279,7 @@ class FailSlow:
             return False
         start = min(self._at_baseline + 1, i)
         self.level = self.baseline
-        self._changed(start, statistics.median(recent), d, [b[2] for b in self._blocks[start:]],
-                      drift=True)
+        self._changed(start, statistics.median(recent), d, recent, drift=True)
         self._pending.clear()
         return True
 
