@@ -1,6 +1,6 @@
 """False positives of the straggler and fail-slow detectors on a steady job.
 
-Runs a steady 2-rank torchrun job (gloo, CPU, DDP; nothing slowed) under
+Runs a steady 2-rank torchrun job (gloo, DDP; nothing slowed) under
 `perfmon-agent attach` for --minutes, then counts the straggler episodes and
 fail-slow events the summary holds and reports them per hour of monitoring, with
 the noise the detector measured (min_shift_pct) and the step time's spread. Each
@@ -9,7 +9,14 @@ first rank stamped): "own" when the job's own step moved by at least 60% of the
 change the event names (the shared machine slowed the job: the detector was
 right), else "FALSE".
 
+By default the job stands for a GPU job (its forward waits --device-ms a micro-batch,
+as a GPU job's CPU waits for its kernels, around a small model's CPU step: a device's
+steady pace); --device-ms 0 runs the CPU-bound test job instead, whose pace a shared
+machine moves by 10-60% for seconds at a time, so there the events are mostly the
+job's own ("own").
+
     .venv/bin/python benchmarks/steady_false_positives.py --minutes 20
+    .venv/bin/python benchmarks/steady_false_positives.py --minutes 20 --device-ms 0
 """
 
 from __future__ import annotations
@@ -55,12 +62,16 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=20.0)
     p.add_argument("--port", type=int, default=29591)
+    p.add_argument("--device-ms", type=float, default=120.0,
+                   help="device time a micro-batch waits (0: the CPU-bound job)")
     args = p.parse_args()
+    model = (["--num-layers", "1", "--hidden-size", "64", "--seq-length", "32",
+              "--device-ms", str(args.device_ms)] if args.device_ms else [])
     folder = Path(tempfile.mkdtemp(prefix="perfmon-steady-"))
     stamps = folder / "stamps.txt"
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(args.port), str(TRAIN_GPT), "--ddp", "--timestamps",
+         "--master-port", str(args.port), str(TRAIN_GPT), "--ddp", *model, "--timestamps",
          str(stamps)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TRAIN_GPT, Target, load_summary, wait_for
+from tests.test_fail_slow import own_change_pct
 from tests.test_security import job_user  # noqa: F401  (the unprivileged job user)
-from tests.test_stragglers import own_change_pct
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 

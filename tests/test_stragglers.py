@@ -1,15 +1,15 @@
-"""Stragglers and fail-slow on real torchrun jobs (gloo, CPU, DDP), plus the rules' edges
-on exact record streams.
+"""Stragglers on a real torchrun job (gloo, CPU, DDP), and the straggler and fail-slow
+rules' edges on exact record streams (fail-slow on real jobs: test_fail_slow.py).
 
-The slowed ranks burn CPU in a forward pre-hook (tests/targets/train_gpt.py
+The slowed rank burns CPU in a forward pre-hook (tests/targets/train_gpt.py
 --slow-*): compute, as a throttled GPU's would be, not a sleep.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -20,7 +20,7 @@ from perfmon.agent.reducers.failslow import FailSlow
 from perfmon.agent.reducers.ranks import RankTimes
 
 from tests import eventlogs
-from tests.conftest import TRAIN_GPT, Target, _reap, load_summary
+from tests.conftest import TRAIN_GPT, Target, load_summary
 
 MS = 1_000_000
 
@@ -45,148 +45,68 @@ def torchrun(agent, tmp_path: Path, port: int, *args: str) -> tuple[subprocess.P
 @pytest.mark.usefixtures("ebpf")
 def test_a_rank_slowed_in_its_compute_is_named_the_straggler_with_its_delay(
         agent, out_dir, tmp_path):
-    _launcher, _ = torchrun(agent, tmp_path, 29571, "--slow-ranks", "1", "--slow-ms", "30")
-    run = agent.run("attach", "--pid", str(_launcher.pid), "--duration", "20",
+    # Rank 1 computes 30 ms longer per step from 14 s after the job started training,
+    # ~10 s after the agent attached (once the fail-slow baseline has formed).
+    launcher, target = torchrun(agent, tmp_path, 29571, "--slow-ranks", "1", "--slow-ms", "30",
+                                "--slow-from-s", "14")
+    run = agent.run("attach", "--pid", str(launcher.pid), "--duration", "28",
                     "--output-dir", str(out_dir), timeout_s=120)
     assert run.returncode == 0, run.stderr
     summary = load_summary(out_dir)
     info, stats = summary["session_info"], summary["final_statistics"]
     assert info["ranks"] == [0, 1]
-    (episode,) = stats["stragglers"]
-    assert episode["rank"] == 1 and episode["pid"] == info["pids"][1]
-    # The delay it imposes is its excess compute: the injected 30 ms, within 20%.
-    assert 24 <= episode["delay_ms_per_step"] <= 36, episode
-    # Named within 30 s of the start of monitoring (it was slow from the start).
-    assert episode["since_mono_ns"] <= episode["detected_mono_ns"]
-    assert episode["detected_mono_ns"] - info["attach_monotonic_ns"] < 30e9
-    assert episode["until"] is None  # still slow at the end
-    assert "straggler: rank 1" in run.stderr
-    # Per rank: the fast one waits for the slow one, which computes longer.
-    ranks = {r["rank"]: r for r in stats["ranks"]}
-    assert ranks[1]["straggler"] and not ranks[0]["straggler"]
-    assert 24 <= ranks[1]["avg_compute_ms"] - ranks[0]["avg_compute_ms"] <= 36
-    assert 24 <= ranks[0]["avg_wait_ms"] - ranks[1]["avg_wait_ms"] <= 36
-    for r in ranks.values():
-        assert r["avg_wait_ms"] + r["avg_compute_ms"] == pytest.approx(r["avg_step_time_ms"])
-    # And per log interval.
-    entry = summary["iteration_logs"][-1]
-    assert {r["rank"] for r in entry["ranks"]} == {0, 1}
-    assert stats["fail_slow"] == []
-
-
-def _job_step_ms(target: Target, since_ns: float, until_ns: float) -> float:
-    """The median step of the job by its own clock (the first rank to stamp each
-    iteration) between two CLOCK_MONOTONIC instants."""
+    # When the straggler began, by the job's own log and clock (the first rank to stamp
+    # each iteration).
     first: dict[int, int] = {}
     for iteration, t in target.timestamps():
         first[iteration] = min(t, first.get(iteration, t))
-    times = [first[i] for i in sorted(first)]
-    steps = [b - a for a, b in itertools.pairwise(times) if since_ns <= a < until_ns]
-    return statistics.median(steps) / MS
+    log = (tmp_path / "torchrun.log").read_text()
+    slowed = re.search(r"rank 1: slowed from iteration (\d+)", log)
+    assert slowed, "rank 1 was never slowed"
+    onset = first[int(slowed[1]) - 1]  # (the end of the iteration before)
+    (episode,) = stats["stragglers"]
+    assert episode["rank"] == 1 and episode["pid"] == info["pids"][1]
+    # Named within 10 s of its start, dated from after it.
+    assert onset <= episode["since_mono_ns"] <= episode["detected_mono_ns"] <= onset + 10e9, (
+        (episode["since_mono_ns"] - onset) / 1e9, (episode["detected_mono_ns"] - onset) / 1e9)
+    assert episode["until"] is None  # still slow at the end
+    assert "straggler: rank 1" in run.stderr
+    # Its delay is its excess compute. Where the ranks have the CPUs they need, that is
+    # the 30 ms injected, within 20%. Where another process's load makes them wait for
+    # a CPU (this 2-core machine under a busy test run), the fast rank's compute shares
+    # the cores with the slow one's burn and the job loses less than was injected
+    # (docs/stragglers.md): then the delay is what the job's own step lost, the 5 s
+    # before against the time since, within 20%.
+    ends = [first[i] for i in sorted(first)]
+    steps = [(b, b - a) for a, b in itertools.pairwise(ends)]
+    lost_ms = (statistics.median(s for t, s in steps if onset + 1e9 < t)
+               - statistics.median(s for t, s in steps if onset - 5e9 < t <= onset)) / MS
+    busy = max(episode["differs"].get("run_queue_wait_share", 0),
+               episode["differs"].get("others_run_queue_wait_share", 0))
+    expected = 30 if busy < 0.15 else lost_ms
+    assert episode["delay_ms_per_step"] == pytest.approx(expected, rel=0.2), (
+        episode, busy, lost_ms)
+    # Per rank, in the log intervals since: the fast one waits for the slow one, which
+    # computes longer, by the delay (means over the intervals' iterations).
+    entries = [{r["rank"]: r for r in e["ranks"]} for e in summary["iteration_logs"]
+               if e["end_monotonic_ns"] - e["step_time_ms"] * MS * 10 > onset]
+    assert entries and entries[-1][1]["straggler"] and not entries[-1][0]["straggler"]
 
+    def mean_ms(rank: int, key: str) -> float:
+        return (sum(e[rank][key] * e[rank]["iterations"] for e in entries)
+                / sum(e[rank]["iterations"] for e in entries))
 
-# The injected slowdowns (every rank's forward slower by half its step for 15 s), in
-# seconds after the job started training: onsets ~15, ~50 and ~90 s after the agent
-# attached (it attaches ~2 s after the job's first iterations). Half, not the 30% the
-# exact streams test: under a full test run the job's own step wanders by 20% for
-# seconds at a time on this shared 2-core VM, and d grows to match.
-WINDOWS_S = ((17, 32), (52, 67), (92, 107))
-SLOW_FACTOR = 0.5
-
-
-def _slowdown_scenario(agent, tmp_path: Path, port: int) -> tuple[dict, str, Target, float]:
-    tmp_path.mkdir()
-    schedule = ",".join(f"{a}-{b}:{SLOW_FACTOR}" for a, b in WINDOWS_S)
-    launcher, target = torchrun(agent, tmp_path, port, "--slow-ranks", "all",
-                                "--slow-schedule", schedule)
-    first_stamp = target.timestamps()[0][1]
-    out = tmp_path / "out"
-    out.mkdir()
-    run = agent.run("attach", "--pid", str(launcher.pid), "--duration", "135",
-                    "--output-dir", str(out), timeout_s=240)
-    assert run.returncode == 0, run.stderr
-    _reap(launcher)  # the job and its ranks: a second run must not share the CPUs
-    return load_summary(out), run.stderr, target, first_stamp
-
-
-def own_change_pct(target: Target, event: dict) -> float:
-    """The change of the job's own step time (its clock) that ``event`` names: from the
-    20 s before its change to the time between the change and its detection."""
-    t, detected = event["t_mono_ns"], event["detected_mono_ns"]
-    return 100 * (_job_step_ms(target, t, detected) / _job_step_ms(target, t - 20e9, t) - 1)
-
-
-def _noise_s(event: dict) -> float:
-    """How much longer than for a shift of 2 d or more the rule waits for ``event``'s."""
-    d = math.log1p(event["min_shift_pct"] / 100)
-    size = abs(math.log1p(event["change_pct"] / 100))
-    return min(25.0, 10 * max(1.0, 2 * d / size)) - 10
-
-
-def _found(events: list[dict], kind: str, at_ns: float) -> dict | None:
-    """The ``kind`` event dated within 5 s of ``at_ns``, if any."""
-    return next((e for e in events if e["event"] == kind and abs(e["t_mono_ns"] - at_ns) < 5e9),
-                None)
-
-
-def _check_slowdowns(stats: dict, stderr: str, target: Target, first_stamp: float) -> None:
-    assert stats["stragglers"] == []  # no rank slower than the others
-    events = list(stats["fail_slow"])
-    whole = []  # the injected slowdowns found, with their ends, in time
-    for a, b in WINDOWS_S:
-        onset, end = first_stamp + a * 1e9, first_stamp + b * 1e9
-        slow, recovered = _found(events, "fail_slow", onset), _found(events, "recovered", end)
-        for e in (slow, recovered):
-            if e is not None:
-                events.remove(e)
-        # Reported within 15 s of its start, and the longer a noisy job needs to call
-        # it sustained (10 s x 2 d / shift, docs/stragglers.md: on this shared VM d is
-        # 10-30%); its end as quickly.
-        if (slow is None or recovered is None
-                or slow["detected_mono_ns"] - onset > (15 + _noise_s(slow)) * 1e9
-                or recovered["detected_mono_ns"] - end > (15 + _noise_s(recovered)) * 1e9):
-            continue
-        # The shift the job's own clock shows, within 15 points (a slower forward costs
-        # the step more or less with the VM's load), and every rank moved.
-        own = 100 * (_job_step_ms(target, onset, end)
-                     / _job_step_ms(target, onset - 15e9, onset) - 1)
-        assert own >= 20 and abs(slow["change_pct"] - own) <= 15, (a, slow, own)
-        assert {r["rank"] for r in slow["ranks"] if r["moved"]} == {0, 1}
-        whole.append(slow)
-    # At least two of the three, start and end: the VM's own slowdowns (the job's first
-    # seconds under the agent's start, above all) can hide one. The forward moved (the
-    # slowdown is in a forward pre-hook; phases come from the primary's stack samples in
-    # bursts, so another phase may come out ahead once).
-    assert len(whole) >= 2, stats["fail_slow"]
-    assert sum("forward" in [p["phase"] for p in e["phases"]] for e in whole) >= len(whole) - 1
-    # Any other event is the job's own clock moving (the shared VM slows the job by
-    # itself now and then), never the detector alone.
-    for e in events:
-        own = own_change_pct(target, e)
-        assert own * e["change_pct"] > 0 and abs(own) >= 0.6 * abs(e["change_pct"]), (
-            f"false {e['event']}: the job's own step moved {own:.1f}%", e)
-    assert "fail-slow: step time" in stderr and "recovered: step time" in stderr
-
-
-@pytest.mark.usefixtures("ebpf")
-def test_slowdowns_from_15_45_and_90s_after_attach_are_reported_within_15s_with_recovery(
-        agent, tmp_path):
-    failures = []
-    for attempt in (1, 2):
-        summary, stderr, target, first_stamp = _slowdown_scenario(
-            agent, tmp_path / f"try{attempt}", 29572 + attempt)
-        info = summary["session_info"]
-        # The first onset comes ~15 s after attach: no blind window before it.
-        assert 12e9 <= first_stamp + WINDOWS_S[0][0] * 1e9 - info["attach_monotonic_ns"] <= 18e9
-        try:
-            _check_slowdowns(summary["final_statistics"], stderr, target, first_stamp)
-            return
-        except AssertionError as err:
-            # The shared 2-core VM slows the job by itself at times (its own clock
-            # shows it), and a slowdown of its own on top of an injected one moves that
-            # one's figures: once more, and both runs must not fail.
-            failures.append(f"run {attempt}: {err!r}"[:3000])
-    pytest.fail("\n".join(failures))
+    excess = mean_ms(1, "avg_compute_ms") - mean_ms(0, "avg_compute_ms")
+    assert excess == pytest.approx(episode["delay_ms_per_step"], rel=0.2), entries
+    assert mean_ms(0, "avg_wait_ms") - mean_ms(1, "avg_wait_ms") == pytest.approx(excess, rel=0.1)
+    for r in stats["ranks"]:
+        assert r["avg_wait_ms"] + r["avg_compute_ms"] == pytest.approx(r["avg_step_time_ms"])
+    # The job's step rose too: a fail-slow event when the agent had its pace before (at
+    # ~40 ms steps on this machine the first blocks may wander too much to form it by
+    # then), and then the compute that moved is rank 1's alone.
+    for event in stats["fail_slow"]:
+        assert abs(event["t_mono_ns"] - onset) <= 3e9, (event["t_mono_ns"] - onset) / 1e9
+        assert [r["rank"] for r in event["ranks"] if r["moved"]] == [1], event["ranks"]
 
 
 # -- the rules on exact record streams --------------------------------------------------
@@ -240,8 +160,9 @@ def test_no_straggler_among_equal_ranks_and_one_with_its_delay_when_one_is_slow(
     _job(ranks, 300, {1: 100, 2: 100, 3: 125, 4: 100}, t0=t, noise=0.05)
     (episode,) = ranks.stragglers()
     assert episode["rank"] == 2 and episode["delay_ms_per_step"] == pytest.approx(25, rel=0.2)
-    # Named within 30 s of its start (100 ms steps).
-    assert t <= episode["since_mono_ns"] < episode["detected_mono_ns"] < t + 30e9
+    # Named within 10 s of its start (100 ms steps): half the window, then 5 s.
+    assert t <= episode["since_mono_ns"] < episode["detected_mono_ns"] <= t + 10e9, (
+        (episode["detected_mono_ns"] - t) / 1e9)
     # An effect under the minimum (10% of the step) is not a straggler.
     small = RankTimes({1: 0, 2: 1}, 1, 0, str)
     _job(small, 400, {1: 100, 2: 107})
@@ -327,6 +248,25 @@ def test_a_shift_from_10s_after_the_first_iteration_is_reported_within_15s(step_
         # The slow first steps were warm-up, left out of the baseline.
         assert fail.warmup_until_ns is not None and fail.warmup_until_ns >= 5 * step_ms * 3e6
         assert slow["before_step_time_ms"] == pytest.approx(step_ms, rel=0.02)
+
+
+def test_slowdowns_of_15s_15s_apart_are_each_reported_with_their_end_within_15s():
+    # No blind seconds after a change: a slowdown's end comes 15 s after its start (5 s
+    # after it was confirmed), the next one 15 s after that.
+    rng = random.Random(11)
+    fail = FailSlow(str)
+    t = _steps(fail, 150, 130, 0, 0.03, rng)
+    changes = []
+    for _ in range(3):
+        changes.append(t)
+        t = _steps(fail, round(15_000 / 169), 169, t, 0.03, rng)
+        changes.append(t)
+        t = _steps(fail, round(15_000 / 130), 130, t, 0.03, rng)
+    assert [e["event"] for e in fail.events] == ["fail_slow", "recovered"] * 3, fail.events
+    for event, change in zip(fail.events, changes, strict=True):
+        assert abs(event["t_mono_ns"] - change) <= 3e9
+        late_s = (event["detected_mono_ns"] - change) / 1e9
+        assert late_s <= 15, late_s
 
 
 def test_a_job_slow_from_its_first_iteration_has_no_event_from_its_warm_up():

@@ -15,7 +15,8 @@ time, against a level that follows the job and a baseline, its healthy pace
 - Level: the median of the last ``level_blocks`` (30, ~1 min) blocks of the current
   pace. Blocks of a shift that is building are kept apart until both sums are back
   at 0 (or there are 30 of them), so that a change never becomes its own level;
-  after a confirmed change the level forms again from its first 3 blocks.
+  after a confirmed change the level starts again from the blocks since the change
+  (10 s or more of them), and the sums go on at once.
   Baseline: the healthy level, following it down (a job that speeds up), never up.
 - Noise: sigma of a block median, from the steps inside the blocks (1.4826 x their
   median absolute deviation x 1.2533 / sqrt(B), the median over the last 30
@@ -112,7 +113,6 @@ class FailSlow:
         self._up_from = self._down_from = 0  # index in _blocks of the change point
         self._at_baseline = 0  # index in _blocks of the last block near the baseline
         self._healthy: deque[float] = deque(maxlen=self.rule.baseline_blocks)
-        self._forming = 0  # blocks still to join the level as it forms after a change
         # The last blocks of the current pace (their median is the level), and the
         # differences of successive healthy blocks.
         self._pace: deque[float] = deque(maxlen=self.rule.level_blocks)
@@ -188,13 +188,6 @@ class FailSlow:
         # the last blocks of that pace. Healthy, the baseline is the median of the last
         # ~10 minutes of healthy blocks: a creep stands out against it, and the job's
         # wander over minutes is no creep.
-        if self._forming:  # (a level just after a change forms from its first blocks)
-            self._forming -= 1
-            self._pace.append(m)
-            if not self.slow:
-                self._healthy.append(m)
-            self.level = statistics.median(self._pace)
-            return
         self.level = statistics.median(self._pace)
         if not self.slow:
             self.baseline = statistics.median(self._healthy)
@@ -241,8 +234,9 @@ class FailSlow:
                 start -= 1
             recent = [b[2] for b in self._blocks[start:]]
             # (the first block may hold steps from before the change)
-            after = statistics.median(recent[1:] if len(recent) > rule.confirm_blocks
-                                      else recent)
+            if len(recent) > rule.confirm_blocks:
+                recent = recent[1:]
+            after = statistics.median(recent)
             size = abs(math.log(after / self.level))
             # Sustained: a shift of 2 d or more for sustain_s, a smaller one for longer,
             # from the change point to the end of the last block still shifted.
@@ -291,14 +285,15 @@ class FailSlow:
         self._pending.clear()
 
     def _at_pace(self, level: float, blocks: list[float]) -> None:
-        """A confirmed change: the level starts again from the blocks since it."""
+        """A confirmed change: the level starts again from the blocks since it (10 s of
+        them or more: the sums go on at once, so a change that follows within seconds,
+        the end of a short slowdown, is measured from there)."""
         self.level = level
         self._pace.clear()
         self._pace.extend(blocks)
         if not self.slow:  # (at the healthy pace again: from here a creep would start)
             self._healthy.extend(blocks)
             self._at_baseline = len(self._blocks) - 1
-        self._forming = self.rule.settle_blocks
 
     def _changed(self, start: int, after: float, threshold: float, recent: list[float],
                  drift: bool = False) -> None:

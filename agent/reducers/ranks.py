@@ -16,19 +16,21 @@ interval means cut them at their own instant, so how rows are grouped into block
 does not change what they find.
 
 The straggler rule (``StragglerRule``), evaluated every ``every`` (10) iterations of
-the primary rank on each rank's last ``window`` (50) iterations: with c_r the median
+the primary rank on each rank's last ``window`` (40) iterations: with c_r the median
 compute of rank r, ref the median of the other ranks' c and spread 1.4826 x their
 median absolute deviation, rank r is *outlying* when
 
     c_r - ref > max(k * spread, min_share * median step, min_ms)
 
-(k = 3, min_share = 10 %, min_ms = 1 ms). Outlying at ``hold`` (6) evaluations in a row
-and for ``hold_s`` (10 s) makes it a straggler (an episode dated from the first of
+(k = 3, min_share = 10 %, min_ms = 1 ms). Outlying at ``hold`` (5) evaluations in a row
+and for ``hold_s`` (5 s) makes it a straggler (an episode dated from the first of
 them); not outlying at ``hold`` in a row closes the episode. The delay it imposes on the job is its
 excess compute, c_r - ref, the median over the episode (its last 1000 evaluations).
 The summary keeps the last 500 episodes. Ranks whose last end is
 older than 10 median steps (exited, hung) are left out of the comparison. At ~100 ms
-steps a straggler is named ~15 s after it starts (a 50-iteration window, then 10 s).
+steps a straggler is named ~8 s after it starts (half the 40-iteration window for its
+median to cross, then 5 s); the 10 % minimum effect and the 5 s keep a balanced job's
+scheduling noise out (benchmarks/steady_false_positives.py).
 
 When the wait probes are sampled (perfmon.agent.measure.wait_sampling) only rows whose
 wait was probed have a compute: the window is then the probed rows among the last
@@ -57,11 +59,11 @@ class StragglerRule:
     k: float = 3.0
     min_share: float = 0.10
     min_ms: float = 1.0
-    window: int = 50  # iterations of each rank compared
+    window: int = 40  # iterations of each rank compared
     least: int = 10  # ... their probed rows, at least (waits sampled: from further back)
     every: int = 10  # primary iterations between evaluations
-    hold: int = 6  # evaluations in a row to open or close an episode
-    hold_s: float = 10.0  # ... and outlying for this long to open one
+    hold: int = 5  # evaluations in a row to open or close an episode
+    hold_s: float = 5.0  # ... and outlying for this long to open one
 
 
 HISTORY = 4096  # rows kept per rank (the minute around a fail-slow change at 15 ms steps)

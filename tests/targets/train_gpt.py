@@ -120,7 +120,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "measured before the slowdown (a GPU throttled by that much)")
     p.add_argument("--slow-schedule", default="",
                    help="slowdowns of the slow ranks by time: FROM-UNTIL:FACTOR,... (seconds "
-                        "after training started; FACTOR as for --slow-factor)")
+                        "after training started; FACTOR as for --slow-factor, or F0/F1: "
+                        "rising evenly from F0 to F1 over the window, a creep)")
+    p.add_argument("--device-ms", type=float, default=0.0,
+                   help="each micro-batch's forward also waits this long, as the CPU of a GPU "
+                        "job waits for its kernels (a stand-in for the device's time)")
+    p.add_argument("--slow-wait", action="store_true",
+                   help="slowed ranks wait their extra time instead of burning CPU (a slower "
+                        "device: the CPU waits longer for it)")
     # Flags it does not use are ignored, as launchers often pass more than a
     # script reads (e.g. --config_name, --global-batch-size for the agent to find).
     return p.parse_known_args(argv)[0]
@@ -139,13 +146,21 @@ def busy_wait(seconds: float) -> None:
         pass
 
 
+def device_wait(seconds: float) -> None:
+    """Wait ``seconds`` as the CPU of a GPU job waits for the device's kernels: the
+    step's time without the CPU's (whose pace a shared machine moves by tens of %)."""
+    time.sleep(seconds)
+
+
 def scheduled(args: argparse.Namespace, elapsed_s: float) -> float:
     """The --slow-schedule factor at ``elapsed_s`` (0: none)."""
     for window in filter(None, args.slow_schedule.split(",")):
         span, _, factor = window.partition(":")
-        start, _, end = span.partition("-")
-        if float(start) <= elapsed_s < float(end):
-            return float(factor)
+        start, end = (float(x) for x in span.split("-"))
+        if start <= elapsed_s < end:
+            first, _, last = factor.partition("/")
+            rise = (elapsed_s - start) / (end - start) if last else 0.0
+            return float(first) + rise * (float(last or first) - float(first))
     return 0.0
 
 
@@ -193,8 +208,16 @@ def train(args: argparse.Namespace) -> None:
     # A slowed rank computes longer inside its forward (a pre-hook: the time is the
     # model's, as a throttled GPU's would be).
     slow = {"s": 0.0}
-    if args.slow_ms or args.slow_factor or args.slow_schedule:
-        model.register_forward_pre_hook(lambda _m, _i: busy_wait(slow["s"]) if slow["s"] else None)
+    if args.slow_ms or args.slow_factor or args.slow_schedule or args.device_ms:
+        extra = device_wait if args.slow_wait else busy_wait
+
+        def forward_pre_hook(_module: nn.Module, _inputs: tuple) -> None:
+            if args.device_ms:
+                device_wait(args.device_ms / 1000)
+            if slow["s"]:
+                extra(slow["s"])
+
+        model.register_forward_pre_hook(forward_pre_hook)
     if args.tp_collectives:
         add_tp_collectives(model, args.tp_collectives)
     if args.ddp:
@@ -229,6 +252,8 @@ def train(args: argparse.Namespace) -> None:
     while args.train_iters == 0 or iteration < args.train_iters:
         now = time.monotonic()
         if slowed(args, rank, iteration, now - started):
+            if not slow["s"] and args.slow_ms:  # (numbered as --timestamps numbers it)
+                print(f"rank {rank}: slowed from iteration {iteration + 1}", flush=True)
             slow["s"] = (args.slow_ms / 1000 if args.slow_ms else
                          args.slow_factor * sorted(steps)[len(steps) // 2] / args.grad_accum
                          if steps else 0.0)
