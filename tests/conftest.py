@@ -4,9 +4,11 @@ schema check of every summary a test leaves behind."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -98,6 +100,13 @@ class Target:
             if len(parts) == 2:
                 rows.append((int(parts[0]), int(parts[1])))
         return rows
+
+    def step_s(self, warm: int = 2) -> float:
+        """The median of its steps so far after the first ``warm`` (its own clock), once
+        it has made four more: how long a given number of iterations takes here."""
+        self.wait_for_iterations(warm + 5)
+        times = [t for _, t in self.timestamps()][warm:]
+        return statistics.median(b - a for a, b in itertools.pairwise(times)) / 1e9
 
     def wait_for_iterations(self, n: int, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s

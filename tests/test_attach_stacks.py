@@ -106,7 +106,10 @@ def test_pyspy_mode_counts_every_step_though_the_optimizer_step_is_too_short_to_
     target = start_target("--hidden-size", "64", "--seq-length", "256",
                           "--micro-batch-size", "16", "--optimizer", "sgd",
                           *([] if counter else ["--anonymous-loop"]))
-    run = agent.run("attach", "--pid", str(target.pid), "--duration", "20",
+    # 110 steps or more, however fast the machine is today (~20 s at ~145 ms steps; a
+    # slower day, or a busier machine, stretches them).
+    duration_s = max(20.0, 115 * target.step_s())
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", f"{duration_s:.1f}",
                     "--iteration-source", "pyspy", "--log-interval", "10",
                     "--output-dir", str(out_dir))
     assert run.returncode == 0, run.stderr
