@@ -19,8 +19,9 @@ TORCH_SPEC ?= torch==2.13.0
 DEB_PACKAGES := bpfcc-tools python3-bpfcc python3-venv python3-dev gcc make libc6-dev
 # What the tests run for real: a Prometheus server (and promtool), headless
 # Chromium for the HTML report, systemd-analyze for the unit, tmux for `top`, sudo
-# for `run` started the way users start it.
-TEST_DEB_PACKAGES := prometheus chromium systemd tmux sudo
+# for `run` started the way users start it, Slurm (its controller, node daemon and
+# commands, with munge) for jobs that Slurm starts; the tests start the daemons.
+TEST_DEB_PACKAGES := prometheus chromium systemd tmux sudo slurmctld slurmd slurm-client munge
 
 # make install: where the service goes.
 PREFIX ?= /opt/perfmon-agent
@@ -107,7 +108,7 @@ setup-test-system:
 test: setup setup-test-system
 	$(PY) -m pip install -q -e ".[demo,test]"
 	$(MAKE) lint typecheck
-	PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1} $(PY) -m pytest -q tests
+	PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1} $(PY) -m pytest -q --durations=25 tests
 
 # The service's own virtualenv (Debian's python3, --system-site-packages for bcc),
 # the package built from this tree, the unit with PREFIX and SYSCONFDIR filled in.

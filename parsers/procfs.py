@@ -186,12 +186,29 @@ _CONTAINER_ID = re.compile(
     r"|/kubepods[^\n]*?/(?:pod[^/]+/)?([0-9a-f]{64})(?:/|$)")
 
 
-def container_id(cgroup_text: str) -> str | None:
-    """The container id of a process from /proc/PID/cgroup, or None (not in a container
-    that a runtime named in its cgroup path)."""
+# A Kubernetes pod's cgroup: kubepods[-QOS]-pod<UID>.slice (systemd driver: the UID's
+# dashes as underscores) or kubepods/QOS/pod<UID> (cgroupfs driver).
+_POD_UID = re.compile(r"/kubepods[^\n]*?[/-]pod([0-9a-f]{8}(?:[-_][0-9a-f]{4}){3}[-_][0-9a-f]{12})"
+                      r"(?:\.slice)?(?:/|$)")
+
+
+@dataclass(frozen=True)
+class ContainerIds:
+    """Where a process runs, from its /proc/PID/cgroup: the container runtime's id and
+    the Kubernetes pod's UID (None: not in one)."""
+
+    container_id: str | None = None
+    pod_uid: str | None = None
+
+
+def container_ids(cgroup_text: str) -> ContainerIds:
+    """The container id and pod UID of a process from /proc/PID/cgroup (None each where
+    no runtime or Kubernetes named it in the cgroup path)."""
+    cid = uid = None
     for line in cgroup_text.splitlines():
         path = line.split(":", 2)[-1]
-        match = _CONTAINER_ID.search(path)
-        if match:
-            return match.group(1) or match.group(2)
-    return None
+        if cid is None and (match := _CONTAINER_ID.search(path)):
+            cid = match.group(1) or match.group(2)
+        if uid is None and (found := _POD_UID.search(path)):
+            uid = found.group(1).replace("_", "-")
+    return ContainerIds(cid, uid)

@@ -61,7 +61,7 @@ class _Known:
     next_check_s: float = 0.0
     environ: dict[str, str] | None = None
     cmdline: list[str] | None = None
-    container: tuple[str | None, str | None] | None = None  # (container id, pid ns)
+    container: tuple[procfs.ContainerIds, str | None] | None = None  # (ids, pid ns)
 
 
 def _read(path: str, limit: int) -> bytes | None:
@@ -131,20 +131,22 @@ class Snapshot:
             entry.cmdline = procfs.parse_cmdline(data) if data else []
         return entry.cmdline
 
-    def container(self, pid: int) -> tuple[str | None, str | None]:
-        """(container id from its cgroup, its pid namespace when not the agent's)."""
+    def container(self, pid: int) -> tuple[procfs.ContainerIds, str | None]:
+        """(its container id and pod UID from its cgroup, its pid namespace when not the
+        agent's)."""
         entry = self._entry(pid)
         if entry is None:
-            return None, None
+            return procfs.ContainerIds(), None
         if entry.container is None:
             cgroup = _read(f"/proc/{pid}/cgroup", _SMALL_LIMIT)
-            cid = procfs.container_id(cgroup.decode("utf-8", "replace")) if cgroup else None
+            ids = (procfs.container_ids(cgroup.decode("utf-8", "replace")) if cgroup
+                   else procfs.ContainerIds())
             try:
                 ns = os.readlink(f"/proc/{pid}/ns/pid")
                 own = os.readlink("/proc/self/ns/pid")
             except OSError:
                 ns = own = ""
-            entry.container = (cid, ns if ns != own else None)
+            entry.container = (ids, ns if ns != own else None)
         return entry.container
 
 

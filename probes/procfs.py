@@ -21,12 +21,24 @@ from typing import Any
 import psutil
 from perfmon.parsers import procfs
 from perfmon.parsers.events import ProcessSample, Record
-from perfmon.probes.errors import NoSuchProcess, UnsuitableTarget, process_errors
+from perfmon.parsers.job_identity import (
+    JOB_KEYS,
+    job_identity,
+    rank_number,
+    safe_name,
+    scheduler_fields,
+)
+from perfmon.probes.errors import (
+    NoSuchProcess,
+    PrivilegeError,
+    UnsuitableTarget,
+    process_errors,
+)
 from perfmon.probes.sampler import Source, monotonic_ns
 
-ENVIRON_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES",
-                # Which job a rank belongs to (the node service groups ranks by these).
-                "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+# Which job and rank a process is (the node service groups ranks by these; Slurm's and
+# the downward API's few for the job's record), and which GPUs it sees.
+ENVIRON_KEYS = ("CUDA_VISIBLE_DEVICES", *JOB_KEYS)
 TORCH_LIBRARY_PREFIX = "libtorch_cpu"
 _PYTHON_EXE = re.compile(r"^(python|pypy)[0-9.]*[a-z]*$")
 
@@ -44,8 +56,7 @@ class TargetProcess:
 
     @property
     def rank(self) -> int | None:
-        value = self.environ.get("RANK")
-        return int(value) if value and value.isdigit() and len(value) < 10 else None
+        return rank_number(self.environ)
 
     @property
     def shown_cmdline(self) -> list[str]:
@@ -67,7 +78,7 @@ class TargetProcess:
 # size of its argv and environment (up to a quarter of its stack limit, which
 # may be unlimited) and, within vm.max_map_count, of its maps.
 _READ_LIMITS = {"cmdline": 1 << 20, "environ": 4 << 20, "maps": 64 << 20, "status": 64 << 10,
-                "schedstat": 256}
+                "schedstat": 256, "cgroup": 64 << 10}
 # What of a command line is kept in the summary (each argument, and in all).
 CMDLINE_ARG_CHARS = 4096
 CMDLINE_TOTAL_CHARS = 65536
@@ -110,6 +121,26 @@ def user_name(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except (KeyError, OverflowError):
         return str(uid)
+
+
+def container_of(pid: int) -> procfs.ContainerIds:
+    """The container id and Kubernetes pod UID of a process, from its cgroup path (None
+    each when it has none, or is gone)."""
+    try:
+        text = read_proc(pid, "cgroup")
+    except (NoSuchProcess, PrivilegeError):
+        return procfs.ContainerIds()
+    return procfs.container_ids(str(text))
+
+
+def target_job(target: TargetProcess, host: str) -> dict[str, Any]:
+    """The job a process belongs to, as the node service would name it from the same
+    variables (perfmon.agent.daemon.jobs): ``session_info.job`` of ``attach``."""
+    name, id_from = job_identity(target.environ, f"{target.name}-{target.pid}")
+    ids = container_of(target.pid)
+    return {"id": name, "name": name, "id_from": id_from, "host": host, "uid": target.uid,
+            "user": safe_name(user_name(target.uid)), "container_id": ids.container_id,
+            **scheduler_fields(target.environ, ids.pod_uid)}
 
 
 def inspect_process(pid: int) -> TargetProcess:

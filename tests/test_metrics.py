@@ -18,6 +18,7 @@ import pytest
 from perfmon.agent.measure.exposition import STEP_TIME_BUCKETS_S
 from perfmon.agent.measure.metrics import (
     DEFAULT_ADDRESS,
+    JobMetrics,
     Metrics,
     MetricsAddressError,
     parse_address,
@@ -100,8 +101,12 @@ def final_statistics(**changes: Any) -> dict[str, Any]:
     return fs
 
 
+SCHEDULER = {"slurm_job_id": "4242", "namespace": "ml", "pod": "trainer-0"}
+
+
 def start_job(metrics: Metrics, job: str = "llama", host: str = "node-a") -> None:
-    metrics.job_started(job, host, [0, 1], pids=[4242, 4243], user="alice")
+    metrics.job_started(job, host, [0, 1], pids=[4242, 4243], user="alice",
+                        scheduler=SCHEDULER, world_size=8)
 
 
 LLAMA = {"job": "llama", "host": "node-a", "user": "alice"}  # the labels of a job's series
@@ -182,7 +187,8 @@ def test_interval_and_statistics_in_prometheus_units(metrics: Metrics) -> None:
     assert value(s, "perfmon_job_info", ranks="0,1", processes="2",
                  agent_version=dict(next(lbls for name, lbls in s
                                          if name == "perfmon_job_info"))["agent_version"],
-                 **job) == 1
+                 **SCHEDULER, **job) == 1
+    assert value(s, "perfmon_job_world_size", **job) == 8
     assert value(s, "perfmon_rank_compute_seconds", rank="1", **job) == 0.15
     assert value(s, "perfmon_rank_wait_seconds", rank="1", **job) == 0.05
     assert value(s, "perfmon_rank_straggler", rank="1", **job) == 1
@@ -282,6 +288,20 @@ def test_throttle_reason_reads_zero_once_gone(metrics: Metrics) -> None:
     assert value(s, "perfmon_gpu_throttled", reason="hw_slowdown", **job) == 1
 
 
+def test_a_sessions_scheduler_names_become_bounded_labels_of_its_info(metrics: Metrics) -> None:
+    facts = {"host": "node-a", "ranks": [0], "pids": [11], "workload": {"world_size": 16},
+             "job": {"user": "alice", "slurm": {"job_id": 4242, "step_id": 0},
+                     "pod": {"uid": None, "name": "trainer/" + "x" * 300,
+                             "namespace": 'ml",evil="1'}}}
+    JobMetrics(metrics, "llama").started(facts)
+    s = exposed(metrics)
+    ((_, labels),) = [(n, dict(lbls)) for n, lbls in s if n == "perfmon_job_info"]
+    assert labels["slurm_job_id"] == "4242" and labels["job"] == "llama"
+    for key in ("namespace", "pod"):
+        assert re.fullmatch(r"[A-Za-z0-9._-]{1,64}", labels[key]), labels
+    assert value(s, "perfmon_job_world_size", **LLAMA) == 16
+
+
 def test_ranks_without_rank_are_labelled_by_pid(metrics: Metrics) -> None:
     metrics.job_started("solo", "node-a", [None], user="alice")
     metrics.rank_values("solo", None, 777, {"straggler": 0.0})
@@ -293,7 +313,8 @@ def test_ranks_without_rank_are_labelled_by_pid(metrics: Metrics) -> None:
                  kind="rss") == GIB
     assert value(s, "perfmon_job_info", **SOLO, ranks="", processes="1",
                  agent_version=dict(next(lbls for name, lbls in s
-                                         if name == "perfmon_job_info"))["agent_version"]) == 1
+                                         if name == "perfmon_job_info"))["agent_version"],
+                 slurm_job_id="", namespace="", pod="") == 1
 
 
 def test_job_finished_removes_every_series_of_that_job_only(metrics: Metrics) -> None:

@@ -84,6 +84,12 @@ class Service:
                 return
             self.messages += data.decode().splitlines()
 
+    def wait_ready(self) -> None:
+        """Until it said READY=1 (it serves its metrics then); a failure if it exited."""
+        wait_for(lambda: "READY=1" in self.received() or self.proc.poll() is not None, 30,
+                 "READY=1")
+        assert self.proc.poll() is None, self.log()
+
     def received(self) -> list[str]:
         """Every notification so far, one ``KEY=value`` line each."""
         return list(self.messages)
@@ -183,9 +189,7 @@ class Jobs:
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     svc = Service(tmp_path_factory.mktemp("serve"))
     try:
-        wait_for(lambda: "READY=1" in svc.received() or svc.proc.poll() is not None, 30,
-                 "READY=1")
-        assert svc.proc.poll() is None, svc.log()
+        svc.wait_ready()
         yield svc
     finally:
         svc.close()

@@ -34,6 +34,8 @@ SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
     "properties": {
         "jobs_root": {"type": "string", "minLength": 1, "maxLength": 4096},
+        # (a DNS name's length; kept to [A-Za-z0-9._-] where it names a folder or a label)
+        "host": {"type": "string", "minLength": 1, "maxLength": 253},
         "metrics_address": {"type": "string", "maxLength": 300},
         "scan_interval_s": {"type": "number", "minimum": 0.2, "maximum": 3600},
         "rank_wait_s": {"type": "number", "minimum": 0, "maximum": 3600},
@@ -79,6 +81,9 @@ class Match:
 @dataclass(frozen=True)
 class ServiceConfig:
     jobs_root: Path = DEFAULT_JOBS_ROOT
+    # The node's name in folders, records, summaries and metrics (None: the system's host
+    # name): a container's is its own, not the node's (Kubernetes: spec.nodeName).
+    host: str | None = None
     metrics_address: str | None = None  # None: the default (127.0.0.1:9464)
     scan_interval_s: float = 5.0
     rank_wait_s: float = 30.0  # wait this long for all of a node's ranks before attaching

@@ -5,13 +5,17 @@ themselves (DataLoader workers and other children of a rank are not ranks). A
 Python process with PyTorch but without ``RANK`` whose descendants carry ``RANK``
 is a *launcher* (torchrun, deepspeed's launcher): its topmost descendants with
 ``RANK`` are its ranks, and it waits for them all (``expected``) before its job
-is attached. Ranks are grouped into one job only when they share their owner
-(the effective uid) and their pid namespace, and then by, in order:
+is attached. Ranks that ``srun`` started (no launcher, no ``RANK``: their rank is
+``SLURM_PROCID``) wait for the step's tasks on this node
+(``SLURM_STEP_TASKS_PER_NODE``). Ranks are grouped into one job only when they
+share their owner (the effective uid) and their pid namespace, and then by, in
+order (perfmon.parsers.job_identity):
 
-1. ``TORCHELASTIC_RUN_ID`` (torchrun's rendezvous id, the same on every node;
+1. ``SLURM_JOB_ID`` and ``SLURM_STEP_ID`` (the same on every node of the job);
+2. ``TORCHELASTIC_RUN_ID`` (torchrun's rendezvous id, the same on every node;
    ``none``, torchrun's default without ``--rdzv-id``, does not count);
-2. ``MASTER_ADDR:MASTER_PORT`` (the same on every node of a job);
-3. the nearest common launcher: the topmost rank or launcher itself.
+3. ``MASTER_ADDR:MASTER_PORT`` (the same on every node of a job);
+4. the nearest common launcher: the topmost rank or launcher itself.
 
 A job's environment is its user's to set, so another user who copies a run id
 or a master address into a process of theirs makes a job of their own (another
@@ -29,7 +33,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from perfmon.parsers.job_identity import job_identity
+from perfmon.parsers.job_identity import job_identity, rank_number, slurm_tasks_here
 from perfmon.probes.discovery import Snapshot
 
 # Launchers known by name: one is a launcher even before its ranks exist (it has
@@ -51,7 +55,9 @@ class FoundJob:
     expected: int = 0  # ranks this node will have (those with RANK, loaded or not)
     launchers: list[int] = field(default_factory=list)
     container_id: str | None = None
+    pod_uid: str | None = None  # the Kubernetes pod's, from the cgroup path
     pid_namespace: str | None = None  # when not the agent's
+    env: dict[str, str] = field(default_factory=dict)  # a rank's job variables
 
     @property
     def ready(self) -> bool:
@@ -69,11 +75,6 @@ def _local_world_size(env: dict[str, str]) -> int:
     return int(value) if value.isdigit() and len(value) < 6 else 0
 
 
-def _rank_number(snapshot: Snapshot, pid: int) -> int | None:
-    value = snapshot.environ(pid).get("RANK", "")
-    return int(value) if value.isdigit() and len(value) < 10 else None
-
-
 def _job_key(snapshot: Snapshot, rank_env: dict[str, str], root: int
              ) -> tuple[tuple[object, ...], str, str]:
     """(the job's key, name, id_from). The key holds the owner and the pid namespace, so
@@ -82,8 +83,11 @@ def _job_key(snapshot: Snapshot, rank_env: dict[str, str], root: int
     name, id_from = job_identity(rank_env, f"{info.comm}-{root}")
     _, namespace = snapshot.container(root)
     scope = (info.uid, namespace or "")
-    if id_from == "TORCHELASTIC_RUN_ID":
-        key: tuple[object, ...] = ("run", *scope, rank_env["TORCHELASTIC_RUN_ID"])
+    if id_from == "SLURM_JOB_ID":
+        key: tuple[object, ...] = ("slurm", *scope, rank_env["SLURM_JOB_ID"],
+                                   rank_env.get("SLURM_STEP_ID"))
+    elif id_from == "TORCHELASTIC_RUN_ID":
+        key = ("run", *scope, rank_env["TORCHELASTIC_RUN_ID"])
     elif id_from == "MASTER_ADDR:MASTER_PORT":
         key = ("master", *scope, rank_env["MASTER_ADDR"], rank_env["MASTER_PORT"])
     else:
@@ -102,7 +106,7 @@ def find_jobs(snapshot: Snapshot, accepts: Callable[[str, int], bool]) -> list[F
                    if not any(a in candidates for a in snapshot.ancestors(p)))
     jobs: dict[tuple[object, ...], FoundJob] = {}
     for root in roots:
-        ranks, expected, launcher = [root], 1, None
+        ranks, expected, launcher, srun_task = [root], 1, None, False
         env = snapshot.environ(root)
         if "RANK" not in env:
             below = [d for d in snapshot.descendants(root) if snapshot.is_python(d)]
@@ -116,18 +120,22 @@ def find_jobs(snapshot: Snapshot, accepts: Callable[[str, int], bool]) -> list[F
                 expected = max([len(top), 1, *(_local_world_size(snapshot.environ(d))
                                                for d in top)])
                 env = snapshot.environ(top[0]) if top else env
+            elif "SLURM_PROCID" in env:  # a task srun started: the step's tasks on this node
+                srun_task, expected = True, slurm_tasks_here(env) or 1
         key, name, id_from = _job_key(snapshot, env, root)
         job = jobs.get(key)
         if job is None:
-            container_id, namespace = snapshot.container(root)
+            ids, namespace = snapshot.container(root)
             job = jobs[key] = FoundJob(key, name, id_from, snapshot.processes[root].uid,
-                                       container_id=container_id, pid_namespace=namespace)
+                                       container_id=ids.container_id, pod_uid=ids.pod_uid,
+                                       pid_namespace=namespace, env=env)
         job.ranks.extend(ranks)
-        job.expected += expected
+        # (srun's tasks each say how many the node has: counted once)
+        job.expected = max(job.expected, expected) if srun_task else job.expected + expected
         if launcher is not None:
             job.launchers.append(launcher)
     for job in jobs.values():
-        job.rank_of = {pid: _rank_number(snapshot, pid) for pid in job.ranks}
+        job.rank_of = {pid: rank_number(snapshot.environ(pid)) for pid in job.ranks}
         job.ranks.sort(key=lambda pid: (_sort_rank(job.rank_of[pid]), pid))
     return list(jobs.values())
 

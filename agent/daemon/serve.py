@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs-root", type=Path, metavar="DIR",
                         help="one folder per job under DIR/<host>/ (default: the config's "
                         "jobs_root, else /var/lib/perfmon-agent/jobs)")
+    parser.add_argument("--host", metavar="NAME",
+                        help="this node's name in job folders, records and metrics (default: "
+                        "the config's host, else the system's host name)")
     parser.add_argument("--metrics-address", metavar="HOST:PORT",
                         help=f"serve Prometheus metrics there (default: the config's "
                         f"metrics_address, else {DEFAULT_METRICS_ADDRESS}: this host only); "
@@ -68,16 +72,17 @@ def serve_main(args: argparse.Namespace) -> int:
     limit_malloc_arenas()
     config = load_config(args.config)
     jobs_root = args.jobs_root or config.jobs_root
+    host = args.host or config.host or socket.gethostname()
     address = args.metrics_address or config.metrics_address or DEFAULT_METRICS_ADDRESS
     flags = _Flags()
     signal.signal(signal.SIGTERM, flags.on_stop)
     signal.signal(signal.SIGINT, flags.on_stop)
     signal.signal(signal.SIGHUP, flags.on_reload)
-    metrics = start_metrics(address, log)
+    metrics = start_metrics(address, log, host)
     notifier = Notifier()
     try:
         tracker = JobTracker(options=options_from_config(config.attach, jobs_root), config=config,
-                             log=log, metrics=metrics, jobs_root=jobs_root)
+                             log=log, metrics=metrics, jobs_root=jobs_root, host=host)
         log(f"serving: scanning every {config.scan_interval_s:g} s, jobs under "
             f"{tracker.host_folder.path if tracker.host_folder else jobs_root}, metrics "
             f"{'off' if metrics is None else address}")
@@ -120,7 +125,7 @@ def _reload(path: Path, current: ServiceConfig, tracker: JobTracker) -> ServiceC
         return current
     tracker.reconfigure(new)
     tracker.options = options_from_config(new.attach, tracker.options.output_dir)
-    for key in ("jobs_root", "metrics_address"):
+    for key in ("jobs_root", "host", "metrics_address"):
         if getattr(new, key) != getattr(current, key):
             log(f"configuration reloaded; {key} changes at the next restart")
     log("configuration reloaded")

@@ -52,7 +52,7 @@ from perfmon.agent.options import AttachOptions
 from perfmon.agent.record.layout import job_folder
 from perfmon.agent.record.outputs import OutputDir
 from perfmon.parsers.errors import PerfmonError
-from perfmon.parsers.job_identity import safe_name
+from perfmon.parsers.job_identity import safe_name, scheduler_fields, world_size
 from perfmon.probes.discovery import ProcessScan
 from perfmon.probes.errors import ProbeError
 from perfmon.probes.procfs import TargetProcess, inspect_process, user_name
@@ -96,8 +96,7 @@ class JobRunner:
         self.session = session
         self.pids = frozenset(t.pid for t in targets)
         self.ranks = {t.pid: t.rank for t in targets}
-        self.world_size = max((_int_or_none(t.environ.get("WORLD_SIZE")) or 0
-                               for t in targets), default=0) or None
+        self.world_size = max((world_size(t.environ) or 0 for t in targets), default=0) or None
         self.started_s = now_s
         self.stopping: str | None = None
         self.result: SessionResult | None = None
@@ -182,13 +181,13 @@ class JobTracker:
 
     def __init__(self, *, options: AttachOptions, config: ServiceConfig, log: Callable[[str], None],
                  metrics: Metrics | None = None, scope_pid: int | None = None,
-                 jobs_root: Path | None = None) -> None:
+                 jobs_root: Path | None = None, host: str | None = None) -> None:
         self.options = options
         self.config = config
         self.log = log
         self.metrics = metrics
         self.scan = ProcessScan(scope_pid)
-        self.host = socket.gethostname()
+        self.host = host or socket.gethostname()
         self.pool = BudgetPool(config.cpu_budget_pct, config.cpu_budget_per_rank_pct)
         self.setup_lock = threading.Lock()
         self.jobs: dict[tuple[object, ...], TrackedJob] = {}
@@ -462,7 +461,7 @@ class JobTracker:
         f = job.found
         return {"name": job.name, "id_from": f.id_from, "host": self.host, "uid": f.uid,
                 "user": job.user, "container_id": f.container_id,
-                "pid_namespace": f.pid_namespace}
+                "pid_namespace": f.pid_namespace, **scheduler_fields(f.env, f.pod_uid)}
 
     def _write_record(self, job: TrackedJob) -> None:
         if job.folder is not None and job.record:

@@ -77,6 +77,10 @@ JOB_GAUGES: dict[str, tuple[str, str]] = {
     "hung": (
         "perfmon_hung",
         "1 while the job is hung (no iteration for the hang threshold), else 0."),
+    "world_size": (
+        "perfmon_job_world_size",
+        "The job's ranks on all its hosts (WORLD_SIZE, else Slurm's SLURM_NTASKS), as this "
+        "host's ranks say it."),
     "host_compute_seconds": (
         "perfmon_host_compute_seconds",
         "Median over the job's ranks on this host of their compute seconds per iteration "
@@ -91,6 +95,11 @@ JOB_GAUGES: dict[str, tuple[str, str]] = {
         "1 while the job's step time is in a fail-slow episode (a sustained rise not yet "
         "recovered), else 0."),
 }
+
+# perfmon_job_info's labels from the schedulers ("" where none): the Slurm job id, the
+# Kubernetes namespace and pod (one series a job, names reduced to [A-Za-z0-9._-] and
+# 64 characters), so jobs are found by the names operators know them by.
+SCHEDULER_INFO = ("slurm_job_id", "namespace", "pod")
 
 # perfmon_fail_slow_ratio's phase label: the phase whose time moved most (a fixed set),
 # "unknown" until stack samples tell.
@@ -206,7 +215,7 @@ def _labelled_families(jobs: list[JobSeries]) -> list[Metric]:
         labels=[*JOB_LABELS, "phase"])
     info = GaugeMetricFamily(
         "perfmon_job_info", "A job this agent monitors (value 1), with static facts.",
-        labels=[*JOB_LABELS, "ranks", "processes", "agent_version"])
+        labels=[*JOB_LABELS, "ranks", "processes", "agent_version", *SCHEDULER_INFO])
     for s in jobs:
         for (rank, kind), value in sorted(s.memory_bytes.items()):
             memory.add_metric([*s.labels, rank, kind], value)
@@ -221,7 +230,8 @@ def _labelled_families(jobs: list[JobSeries]) -> list[Metric]:
         if s.fail_slow is not None:
             fail_slow.add_metric([*s.labels, s.fail_slow[1]], s.fail_slow[0])
         info.add_metric([*s.labels, s.info["ranks"], s.info["processes"],
-                         s.info["agent_version"]], 1.0)
+                         s.info["agent_version"], *(s.info.get(k, "") for k in SCHEDULER_INFO)],
+                        1.0)
     return [memory, job_memory, throttled, events, losses, fail_slow, info]
 
 

@@ -52,6 +52,7 @@ from perfmon.agent.measure.observer import SessionObserver
 from perfmon.agent.options import DEFAULT_METRICS_ADDRESS, METRICS_OFF
 from perfmon.agent.reducers.quality import HINTS
 from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.job_identity import safe_name
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -149,22 +150,27 @@ class Metrics(Collector):
 
     def job_started(self, job: str, host: str, ranks: Sequence[int | None],
                     pids: Sequence[int] | None = None, *, name: str | None = None,
-                    user: str = "") -> None:
+                    user: str = "", scheduler: dict[str, str] | None = None,
+                    world_size: int | None = None) -> None:
         """A job is monitored from now on: its series appear (counters at 0).
 
         ``job``: the job's key in every call; ``name`` its ``job`` label (default: the
         key) and ``user`` its owner's (the ``user`` label). ``ranks``: the RANK of each
         monitored process (None where unset); ``pids``, when given, the processes in
         the same order, so per-rank figures that come by pid (``statistics``' ranks)
-        are labelled with the rank. Starting a job again replaces its series.
+        are labelled with the rank. ``scheduler``: perfmon_job_info's SCHEDULER_INFO
+        labels (bounded by the caller); ``world_size``: the job's ranks on all hosts.
+        Starting a job again replaces its series.
         """
         known = sorted({r for r in ranks if r is not None})
         info = {"ranks": ",".join(map(str, known)), "processes": str(len(ranks)),
-                "agent_version": self._version}
+                "agent_version": self._version, **(scheduler or {})}
         pid_rank = dict(zip(pids, ranks, strict=True)) if pids is not None else {}
+        series = JobSeries(labels=[name if name is not None else job, host, user], info=info,
+                           pid_rank=pid_rank)
+        series.set_gauge("world_size", world_size)
         with self._lock:
-            self._jobs[job] = JobSeries(labels=[name if name is not None else job, host, user],
-                                   info=info, pid_rank=pid_rank)
+            self._jobs[job] = series
 
     def iteration(self, job: str, step_time_s: float) -> None:
         """One completed iteration of the job; ``step_time_s``: its primary rank's step
@@ -404,9 +410,16 @@ class JobMetrics(SessionObserver):
         self.metrics, self.job, self.name, self.user = metrics, job, name, user
 
     def started(self, facts: dict[str, Any]) -> None:
+        job = facts.get("job") or {}
+        slurm, pod = job.get("slurm") or {}, job.get("pod") or {}
+        # (the names are the job's own text: reduced to bounded label values)
+        scheduler = {"slurm_job_id": str(slurm.get("job_id") or ""),
+                     "namespace": safe_name(pod["namespace"]) if pod.get("namespace") else "",
+                     "pod": safe_name(pod["name"]) if pod.get("name") else ""}
         self.metrics.job_started(self.job, str(facts.get("host", self.metrics.host)),
                                  facts.get("ranks") or [], facts.get("pids"), name=self.name,
-                                 user=self.user or str((facts.get("job") or {}).get("user", "")))
+                                 user=self.user or str(job.get("user", "")), scheduler=scheduler,
+                                 world_size=(facts.get("workload") or {}).get("world_size"))
 
     def iterations(self, step_times_s: list[float]) -> None:
         for step_s in step_times_s:
@@ -427,13 +440,15 @@ class JobMetrics(SessionObserver):
                                 bool(summary["session_info"].get("hung")))
 
 
-def start_metrics(address: str | None, warn: Callable[[str], None]) -> Metrics | None:
+def start_metrics(address: str | None, warn: Callable[[str], None],
+                  host: str | None = None) -> Metrics | None:
     """Metrics served on ``address`` (None: the default address, skipped with a warning
-    when it cannot be listened on; ``off``: none). An address given that cannot be
-    listened on is an error (MetricsAddressError, exit 2)."""
+    when it cannot be listened on; ``off``: none), ``host`` in their host label (None:
+    the system's host name). An address given that cannot be listened on is an error
+    (MetricsAddressError, exit 2)."""
     if address == METRICS_OFF:
         return None
-    metrics = Metrics()
+    metrics = Metrics(host)
     try:
         metrics.serve(address or DEFAULT_ADDRESS)
     except MetricsAddressError as err:

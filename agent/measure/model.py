@@ -14,6 +14,7 @@ from typing import Any
 from perfmon.parsers.errors import InputFileError, ModelConfigError
 from perfmon.parsers.flops import model_flops_per_iteration
 from perfmon.parsers.hf_config import hf_config_to_fields, parse_hf_config
+from perfmon.parsers.job_identity import world_size as env_world_size
 from perfmon.parsers.megatron_args import (
     cmdline_batch_fields,
     hf_config_locations,
@@ -163,7 +164,7 @@ def build_workload(
     Without complete dimensions there are no FLOPs, but tokens/s and samples/s
     still follow from the batch and sequence length when the sources give them.
     """
-    world_size = _positive_int(target.environ.get("WORLD_SIZE")) or 1
+    world_size, world_size_from = _world_size(target.environ)
     cfg = model.config
     if cfg is None:
         return _throughput_only(model.fields, world_size, peak_tflops)
@@ -213,7 +214,7 @@ def build_workload(
         },
         "global_batch_size": batch,
         "world_size": world_size,
-        "world_size_from": "WORLD_SIZE" if "WORLD_SIZE" in target.environ else "default 1",
+        "world_size_from": world_size_from,
         "data_parallel_size": world_size // parallel,
     }
     return workload, info
@@ -246,9 +247,11 @@ def _throughput_only(fields: dict[str, Any], world_size: int, peak_tflops: float
 MAX_WORLD_SIZE = 10**7
 
 
-def _positive_int(value: str | None) -> int | None:
-    if not value or not value.isdigit() or len(value) > 8:
-        return None
-    number = int(value)
-    return number if 0 < number <= MAX_WORLD_SIZE else None
+def _world_size(env: dict[str, str]) -> tuple[int, str]:
+    """The job's ranks and where that came from: WORLD_SIZE, else SLURM_NTASKS (ranks
+    started by srun, no launcher), else 1."""
+    size = env_world_size(env)
+    if size is None or not 0 < size <= MAX_WORLD_SIZE:
+        return 1, "default 1"
+    return size, "WORLD_SIZE" if "WORLD_SIZE" in env else "SLURM_NTASKS"
 

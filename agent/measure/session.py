@@ -57,7 +57,6 @@ from perfmon.parsers.events import (
     SessionStart,
     sort_key,
 )
-from perfmon.parsers.job_identity import job_identity, safe_name
 from perfmon.parsers.workload import Workload
 from perfmon.probes.background import BackgroundCalls
 from perfmon.probes.gpu import GpuSource
@@ -67,7 +66,7 @@ from perfmon.probes.procfs import (
     TargetProcess,
     is_running,
     resolve_targets,
-    user_name,
+    target_job,
 )
 from perfmon.probes.sampler import Source, monotonic_ns
 from perfmon.probes.stacks import StackSource
@@ -258,7 +257,8 @@ class MonitorSession:
         facts = {
             "start_time": start_wall.isoformat(),
             "attach_monotonic_ns": start_ns,
-            "host": socket.gethostname(),
+            # (the node's name as the service was told it, else the system's)
+            "host": (self.context.job or {}).get("host") or socket.gethostname(),
             "agent_version": agent_version(),
             "schema_version": SCHEMA_VERSION,
             "pid": opts.pid,
@@ -277,10 +277,7 @@ class MonitorSession:
         }
         # The job this session belongs to: as the node service named it, else from the
         # primary rank's job variables, as the service would (perfmon.agent.daemon.jobs).
-        name, id_from = job_identity(primary.environ, f"{primary.name}-{primary.pid}")
-        facts["job"] = self.context.job or {"id": name, "name": name, "id_from": id_from,
-                                            "host": facts["host"], "uid": primary.uid,
-                                            "user": safe_name(user_name(primary.uid))}
+        facts["job"] = self.context.job or target_job(primary, facts["host"])
         # The reducers made as replay makes them, from the facts the log starts with.
         summarizer = Summarizer.from_facts(facts)
         summary_file, log = self._claim_files(out, stamp(start_wall), facts, summarizer)

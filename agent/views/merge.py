@@ -164,6 +164,8 @@ class Node:
             "iterations": sum(int(i.get("total_iterations") or 0) for i in infos),
             "avg_step_time_ms": self.stat("avg_step_time_ms"),
             "avg_compute_ms": self.compute_ms(),
+            "pod": next((pod for r in self.runs
+                         if isinstance(pod := (r.info.get("job") or {}).get("pod"), dict)), None),
             "median_compute_ms": _median(self.rank_values("avg_compute_ms")),
             "avg_tokens_per_sec": self.stat("avg_tokens_per_sec"),
             "avg_samples_per_sec": self.stat("avg_samples_per_sec"),
@@ -247,6 +249,7 @@ def merge(runs: list[RecordedRun], job_id: str) -> dict[str, Any]:
         "job_info": {
             "job_id": job_id, "name": job.get("name"), "id_from": job.get("id_from"),
             "user": job.get("user"),
+            "slurm": job.get("slurm"),  # (its pods: each node's own, in nodes[])
             "nodes": len(nodes), "hosts": sorted(nodes),
             "ranks": sum(len(r["pids"]) for r in rows),
             "start_time": min((str(i.get("start_time")) for i in infos), default=None),

@@ -195,7 +195,17 @@ def add_tp_collectives(model: nn.Module, count: int) -> None:
         block.register_forward_hook(lambda _m, _i, _o, n=per_block: reduce(n))
 
 
+def ranks_from_slurm() -> None:
+    """Tasks started by ``srun`` (no launcher) know their rank from Slurm's variables:
+    torch.distributed's env:// reads RANK and WORLD_SIZE, as a job's own set-up sets them."""
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
 def train(args: argparse.Namespace) -> None:
+    ranks_from_slurm()
     if args.model_name_or_path:
         apply_hf_config(args)
     torch.manual_seed(0)
