@@ -29,12 +29,12 @@ from tests.conftest import TRAIN_GPT, Agent, Target, _reap, ebpf_missing, load_s
 MS = 1_000_000
 JOB = ("--num-layers", "1", "--hidden-size", "64", "--seq-length", "32", "--device-ms", "120")
 # Seconds after the job's first iteration (the agent attaches ~2 s after it): three
-# slowdowns of 30% for 15 s from 15, 45 and 90 s after attach, one of 5% for 40 s, and a
-# creep from 0 to +15% over 50 s, held for 10 s.
+# slowdowns of 30% for 15 s from 15, 45 and 90 s after attach, one of 5% for 30 s, and a
+# creep from 0 to +15% over 40 s, held for 5 s.
 SLOW_30 = ((17, 32), (47, 62), (92, 107))
-SLOW_5 = (127, 167)
-CREEP = (197, 247, 257)
-WATCH_S = 262
+SLOW_5 = (122, 152)
+CREEP = (170, 210, 215)
+WATCH_S = 218
 
 
 @dataclass
@@ -140,9 +140,11 @@ def test_30pct_slowdowns_from_15_45_and_90s_after_attach_are_reported_within_15s
         recovered = _event(run.events, "recovered", run.at(b))
         assert _seconds(slow, run.at(a)) <= 15 and _seconds(recovered, run.at(b)) <= 15, (
             _seconds(slow, run.at(a)), _seconds(recovered, run.at(b)))
-        # The change the job's own clock shows over the same time, and the phase that
-        # moved (from the stack samples): the forward, where the device time is waited.
-        assert slow["change_pct"] == pytest.approx(own_change_pct(run.target, slow), abs=3)
+        # The change the job's own clock shows over the same time (its "before" the 20 s
+        # ahead of the change, the agent's its level: a few % apart in the first seconds
+        # after attach), and the phase that moved (from the stack samples): the
+        # forward, where the device time is waited.
+        assert slow["change_pct"] == pytest.approx(own_change_pct(run.target, slow), abs=5)
         assert 25 <= slow["change_pct"] <= 35 and not slow["drift"], slow
         assert [r["moved"] for r in slow["ranks"]] == [True], slow["ranks"]
         assert slow["phases"] and slow["phases"][0]["phase"] == "forward", slow["phases"]
@@ -167,7 +169,7 @@ def test_a_creep_is_reported_once_past_the_threshold_dated_from_where_it_began(
     event, *further = [e for e in run.events if e["event"] == "fail_slow"
                        and run.at(began) - 5e9 <= e["detected_mono_ns"] <= run.at(top) + 15e9]
     assert all(e["change_pct"] > 0 for e in further)
-    # +15% over 50 s: past the 3% floor ~10 s in, sustained 10 s later.
+    # +15% over 40 s: past the 3% floor ~8 s in, sustained 10 s later.
     assert _seconds(event, run.at(began)) <= 35, _seconds(event, run.at(began))
     dated_s = (event["t_mono_ns"] - run.at(began)) / 1e9
     assert abs(dated_s) <= 15, dated_s
@@ -186,5 +188,5 @@ def test_nothing_else_is_reported_on_the_scenario_and_nothing_on_the_steady_job(
     steady = watched["steady"]
     stats = steady.summary["final_statistics"]
     info = steady.summary["session_info"]
-    assert info["detach_monotonic_ns"] - info["attach_monotonic_ns"] >= 240e9
+    assert info["detach_monotonic_ns"] - info["attach_monotonic_ns"] >= 200e9
     assert stats["fail_slow"] == [] and stats["stragglers"] == [], stats["fail_slow"]
