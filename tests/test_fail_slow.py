@@ -177,16 +177,27 @@ def test_a_creep_is_reported_once_past_the_threshold_dated_from_where_it_began(
         run.own_step_ms(run.at(began) - 20e9, run.at(began)), rel=0.03)
 
 
+def _confirmed_by_its_own_clock(run: Watched, event: dict) -> bool:
+    """The job's own step moved as the event says (at least 60% of it, the same way): the
+    machine slowed the job by itself (another process's load), and the detector saw it."""
+    own = own_change_pct(run.target, event)
+    return own * event["change_pct"] > 0 and abs(own) >= 0.6 * abs(event["change_pct"])
+
+
 def test_nothing_else_is_reported_on_the_scenario_and_nothing_on_the_steady_job(
         watched: dict[str, Watched]) -> None:
     run = watched["scenario"]
     windows = [*SLOW_30, SLOW_5, (CREEP[0], CREEP[2])]
-    # Each event belongs to an injected change (its start, or its end for a recovery).
+    # Each event belongs to an injected change (its start, or its end for a recovery),
+    # or to a change of the job's own pace that its own clock shows.
     for e in run.events:
-        assert any(run.at(a) - 5e9 <= e["t_mono_ns"] <= run.at(b) + 5e9 for a, b in windows), e
+        assert any(run.at(a) - 5e9 <= e["t_mono_ns"] <= run.at(b) + 5e9 for a, b in windows) \
+            or _confirmed_by_its_own_clock(run, e), e
     assert run.summary["final_statistics"]["stragglers"] == []
     steady = watched["steady"]
     stats = steady.summary["final_statistics"]
     info = steady.summary["session_info"]
     assert info["detach_monotonic_ns"] - info["attach_monotonic_ns"] >= 200e9
-    assert stats["fail_slow"] == [] and stats["stragglers"] == [], stats["fail_slow"]
+    assert stats["stragglers"] == []
+    false = [e for e in stats["fail_slow"] if not _confirmed_by_its_own_clock(steady, e)]
+    assert false == [], false

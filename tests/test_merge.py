@@ -37,6 +37,12 @@ def relabel(summary_dir: Path, into: Path, host: str, job_id: str) -> dict:
     return summary
 
 
+def _own_mean_step_ms(target) -> float:
+    """The target's mean step by its own clock, after its first two."""
+    times = [t for _, t in target.timestamps()][2:]
+    return (times[-1] - times[0]) / (len(times) - 1) / 1e6
+
+
 def test_two_nodes_merge_into_the_documented_job_summary(agent, start_target, tmp_path):
     # Megatron-style dimensions on the command line give the agent the model.
     model = ("--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
@@ -79,7 +85,12 @@ def test_two_nodes_merge_into_the_documented_job_summary(agent, start_target, tm
     assert slowest["host"] == "node-b" and slowest["by"] == "avg_compute_ms"
     assert slowest["excess_ms"] == pytest.approx(
         rows["node-b"]["avg_compute_ms"] - rows["node-a"]["avg_compute_ms"])
-    assert 10 <= slowest["excess_ms"] <= 25
+    # ~15 ms injected; on the 2-core VM the two jobs and their agents contend, so the
+    # truth is the difference of the jobs' own mean steps over the same time.
+    own_ms = [_own_mean_step_ms(t) for t in (fast, slow)]
+    assert slowest["excess_ms"] >= 10
+    assert slowest["excess_ms"] == pytest.approx(own_ms[1] - own_ms[0],
+                                                 abs=max(3.0, 0.2 * (own_ms[1] - own_ms[0])))
     # And it stands out (the rank rule with hosts for ranks: of two hosts, against the
     # faster, above 10% of the ranks' mean step).
     slow_host = stats["slow_host"]
