@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,11 @@ class TargetProcess:
     @property
     def rank(self) -> int | None:
         return rank_number(self.environ)
+
+    @property
+    def start_monotonic_ns(self) -> int:
+        """When it started, on CLOCK_MONOTONIC (its start time is the wall clock's)."""
+        return monotonic_ns() - int((time.time() - self.create_time) * 1e9)
 
     @property
     def shown_cmdline(self) -> list[str]:

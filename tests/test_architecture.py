@@ -160,10 +160,14 @@ def test_the_summarizer_is_built_only_by_its_constructor_from_the_facts(
 # Pieces of the recorded files' names: written anywhere but record/layout.py, a name
 # could drift from what the finders look for.
 _NAME_PIECES = re.compile(r"perf_summary_|perf_events_|hang_report_|job\.json|\.msgpack|"
-                          r"\.part\d|\.part\{")
+                          r"\.part\d|\.part\{|incident_|incident\.json|stacks\.json|"
+                          r"history\.json")
 # Who writes or finds recorded files, and what of record.layout each uses for it.
 WRITERS_AND_FINDERS = {
-    "agent/measure/session.py": {"session_names", "stamp"},  # a session's pair
+    "agent/measure/session.py": {"stamp"},  # a session's pair ...
+    "agent/record/summary.py": {"session_names"},  # ... claimed here
+    "agent/measure/incidents.py": {"incident_folder", "INCIDENT_RECORD"},  # incident bundles
+    "agent/record/incidents.py": {"is_incident", "INCIDENT_RECORD"},  # ... found
     "agent/record/eventlog.py": {"log_part"},  # the log's parts
     "agent/measure/hangs.py": {"hang_report_stem"},  # hang reports
     "agent/daemon/tracker.py": {"job_folder"},  # the service's job folders
@@ -171,7 +175,7 @@ WRITERS_AND_FINDERS = {
     "agent/record/summarize.py": {"summary_beside"},  # a rebuilt summary
     "agent/record/replay.py": {"log_parts"},  # a log's parts, read
     "agent/record/runs.py": {"recorded_files"},  # report, top, merge, trace
-    "agent/views/trace.py": {"log_parts"},
+    "agent/record/trace.py": {"log_parts"},
 }
 
 

@@ -101,8 +101,8 @@ def test_a_rank_in_a_pod_has_its_pod_uid_container_id_and_names_in_its_record(
         wait_for(lambda: re.search(r'perfmon_job_info{[^}]*namespace="ml-team",pod="trainer-0"',
                                    service.metrics()), 30, "the pod in perfmon_job_info")
         # Nothing of the environment beyond the variables the agent reads.
-        for path in folder.iterdir():
-            assert b"not-for-the-agent" not in path.read_bytes()
+        for path in folder.rglob("*"):
+            assert path.is_dir() or b"not-for-the-agent" not in path.read_bytes()
     finally:
         if job is not None:
             _reap(job)

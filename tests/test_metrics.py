@@ -86,6 +86,14 @@ def final_statistics(**changes: Any) -> dict[str, Any]:
             "losses": ["uprobes: events_dropped 7 (...)"],
         },
         "hangs": [],
+        "goodput": {
+            "ratio": 0.9, "gpus": 2, "wall_seconds": 100.0, "productive_seconds": 90.0,
+            "lost_seconds": {"startup": 4.0, "hang": 0.0, "restart": 0.0, "straggler": 2.0,
+                             "slowdown": 3.0, "data_stall": 0.0, "unexplained": 1.0},
+            "job": {"ratio": 0.8, "gpus": 2, "wall_seconds": 200.0, "productive_seconds": 160.0,
+                    "lost_seconds": {"startup": 4.0, "hang": 10.0, "restart": 20.0,
+                                     "straggler": 2.0, "slowdown": 3.0, "data_stall": 0.0,
+                                     "unexplained": 1.0}}},
         "fail_slow": [
             {"event": "fail_slow", "before_step_time_ms": 100.0, "after_step_time_ms": 150.0,
              "baseline_step_time_ms": 100.0, "phases": None},
@@ -197,6 +205,9 @@ def test_interval_and_statistics_in_prometheus_units(metrics: Metrics) -> None:
     assert value(s, "perfmon_host_wait_ratio", **job) == pytest.approx(0.15 / 0.40)
     # The episode still open at the end of fail_slow: its ratio to the healthy baseline
     # and the phase that moved most.
+    # The job's goodput (its ledger across sessions) and its lost seconds by cause.
+    assert value(s, "perfmon_goodput_ratio", **job) == 0.8
+    assert value(s, "perfmon_lost_seconds_total", cause="restart", **job) == 20.0
     assert value(s, "perfmon_fail_slow_active", **job) == 1
     assert value(s, "perfmon_fail_slow_ratio", phase="forward", **job) == pytest.approx(1.3)
     assert value(s, "perfmon_agent_cpu_seconds_total", host="node-a") == 12.5

@@ -205,7 +205,7 @@ def test_png_writes_every_plot_of_a_gpu_node(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     names = sorted(p.name for p in pngs.iterdir())
     assert names == sorted(f"plot-{n}.png" for n in
-                           ("step-time", "phases", "memory", "gpu", "throughput"))
+                           ("step-time", "phases", "memory", "gpu", "throughput", "goodput"))
     for name in names:
         data = (pngs / name).read_bytes()
         width, height = _png_size(data)
@@ -213,10 +213,10 @@ def test_png_writes_every_plot_of_a_gpu_node(tmp_path: Path):
     assert [line for line in done.stdout.splitlines() if line.startswith("png: ")] == [
         f"png: {pngs / n}" for n in ("plot-step-time.png", "plot-phases.png",
                                      "plot-memory.png", "plot-gpu.png",
-                                     "plot-throughput.png")]
+                                     "plot-throughput.png", "plot-goodput.png")]
     page = (tmp_path / "node.html").read_text()
     assert set(_figures(page)) == {"plot-step-time", "plot-phases", "plot-memory", "plot-gpu",
-                                   "plot-throughput"}
+                                   "plot-throughput", "plot-goodput"}
     assert "97.0 %" in page  # GPU utilization of the node's samples
 
 

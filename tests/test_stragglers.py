@@ -8,6 +8,7 @@ The slowed rank burns CPU in a forward pre-hook (tests/targets/train_gpt.py
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import re
 import statistics
@@ -21,6 +22,7 @@ from perfmon.agent.reducers.ranks import RankTimes
 
 from tests import eventlogs
 from tests.conftest import TRAIN_GPT, Target, load_summary
+from tests.test_goodput_jobs import incident
 
 MS = 1_000_000
 
@@ -101,6 +103,10 @@ def test_a_rank_slowed_in_its_compute_is_named_the_straggler_with_its_delay(
     assert mean_ms(0, "avg_wait_ms") - mean_ms(1, "avg_wait_ms") == pytest.approx(excess, rel=0.1)
     for r in stats["ranks"]:
         assert r["avg_wait_ms"] + r["avg_compute_ms"] == pytest.approx(r["avg_step_time_ms"])
+    # An incident bundle for it: both ranks' stacks, their iterations around it, a trace.
+    bundle = incident(out_dir, "straggler", ranks=2)
+    assert json.loads((bundle / "incident.json").read_text())["ranks"] == [
+        {"pid": info["pids"][1], "rank": 1}]
     # The job's step rose too: a fail-slow event when the agent had its pace before (at
     # ~40 ms steps on this machine the first blocks may wander too much to form it by
     # then), and then the compute that moved is rank 1's alone.

@@ -159,6 +159,8 @@ class TrackedJob:
     yielded: int = 0  # times it gave its slot to a waiting job
     last_restart_s: float = -1e18  # when its session last restarted for new ranks
     record: dict[str, Any] = field(default_factory=dict)
+    # Its sessions so far, for the next one's goodput (the job's ledger, restarts included)
+    before: dict[str, Any] | None = None
 
     @property
     def key(self) -> str:
@@ -342,7 +344,7 @@ class JobTracker:
                                      if self.metrics is not None else SessionObserver())
         context = SessionContext(
             targets=targets, observer=observer, budget_pool=self.pool,
-            setup_lock=self.setup_lock, handle_signals=False,
+            setup_lock=self.setup_lock, handle_signals=False, job_before=job.before,
             job={"id": f.name, **self._identity(job),
                  "folder": str(output_dir) if job.folder is not None else None})
         session = MonitorSession(options,
@@ -394,6 +396,10 @@ class JobTracker:
                 "avg_step_time_ms": stats.get("avg_step_time_ms"),
                 "cause": (info.get("exit") or {}).get("cause"),
             })
+            job.before = _job_so_far(stats.get("goodput"), info.get("detach_monotonic_ns"))
+            if job.before is not None:
+                job.record["goodput"] = {k: v for k, v in job.before["ledger"].items()
+                                         if k not in ("job", "from", "last_job_iteration")}
             cause = job.record["segments"][-1]["cause"]
             self.log(f"job {job.shown}: session ended ({info.get('end_reason')}): "
                      f"{info.get('total_iterations')} iterations"
@@ -473,6 +479,17 @@ class JobTracker:
             self.host_folder, {j.folder.path.name for j in self.jobs.values() if j.folder},
             keep_jobs=self.config.keep_jobs, keep_days=self.config.keep_days,
             now_wall_s=now_wall_s, log=self.log)
+
+
+def _job_so_far(goodput: Any, end_ns: Any) -> dict[str, Any] | None:
+    """What the next session of a job needs of the ended one's goodput: the job's ledger
+    so far (the session's own, or the job's when it had earlier ones), when it ended and
+    its last iteration did, the job's last iteration number."""
+    if not isinstance(goodput, dict) or not isinstance(end_ns, int):
+        return None
+    return {"ledger": goodput.get("job") or goodput, "end_mono_ns": end_ns,
+            "last_end_mono_ns": goodput.get("last_end_mono_ns"),
+            "last_job_iteration": goodput.get("last_job_iteration")}
 
 
 def _int_or_none(value: str | None) -> int | None:

@@ -77,6 +77,10 @@ JOB_GAUGES: dict[str, tuple[str, str]] = {
     "hung": (
         "perfmon_hung",
         "1 while the job is hung (no iteration for the hang threshold), else 0."),
+    "goodput_ratio": (
+        "perfmon_goodput_ratio",
+        "The job's goodput on this host so far: its ranks' productive time over their wall "
+        "time, across its sessions (restarts included); docs/metrics.md, Goodput."),
     "world_size": (
         "perfmon_job_world_size",
         "The job's ranks on all its hosts (WORLD_SIZE, else Slurm's SLURM_NTASKS), as this "
@@ -125,6 +129,7 @@ class JobSeries:
     losses: dict[tuple[str, str], float] = field(default_factory=dict)  # (source, counter)
     rank_values: dict[str, dict[str, float]] = field(default_factory=dict)  # name->rank->v
     fail_slow: tuple[float, str] | None = None  # the active episode: (ratio, phase)
+    lost_seconds: dict[str, float] = field(default_factory=dict)  # cause -> s (the job's)
     peak_tflops: float | None = None  # the device's dense peak, from mfu and avg TFLOPS
     interval_tflops: float | None = None  # the latest interval's TFLOPS per GPU
 
@@ -204,6 +209,11 @@ def _labelled_families(jobs: list[JobSeries]) -> list[Metric]:
     events = CounterMetricFamily(
         "perfmon_gpu_events", "GPU events (xid, ecc, gpu_lost) the job's session saw on "
         "this host's GPUs since the agent attached.", labels=[*JOB_LABELS, "type"])
+    lost = CounterMetricFamily(
+        "perfmon_lost_seconds", "Wall seconds the job lost on this host, by cause (startup, "
+        "hang, restart, straggler, slowdown, data_stall, unexplained), across its sessions; "
+        "x perfmon_job_world_size's share of ranks here for GPU-seconds (docs/metrics.md).",
+        labels=[*JOB_LABELS, "cause"])
     losses = GaugeMetricFamily(
         "perfmon_data_quality_losses",
         "Current value of each source's loss counter (final_statistics.data_quality).",
@@ -225,6 +235,8 @@ def _labelled_families(jobs: list[JobSeries]) -> list[Metric]:
             throttled.add_metric([*s.labels, reason], value)
         for kind, count in s.gpu_events.items():
             events.add_metric([*s.labels, kind], float(count))
+        for cause, seconds in sorted(s.lost_seconds.items()):
+            lost.add_metric([*s.labels, cause], seconds)
         for (source, counter), value in sorted(s.losses.items()):
             losses.add_metric([*s.labels, source, counter], value)
         if s.fail_slow is not None:
@@ -232,7 +244,7 @@ def _labelled_families(jobs: list[JobSeries]) -> list[Metric]:
         info.add_metric([*s.labels, s.info["ranks"], s.info["processes"],
                          s.info["agent_version"], *(s.info.get(k, "") for k in SCHEDULER_INFO)],
                         1.0)
-    return [memory, job_memory, throttled, events, losses, fail_slow, info]
+    return [memory, job_memory, throttled, events, lost, losses, fail_slow, info]
 
 
 def _rank_families(jobs: list[JobSeries]) -> list[Metric]:

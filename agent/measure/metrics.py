@@ -50,6 +50,7 @@ from perfmon.agent.measure.exposition import (
 )
 from perfmon.agent.measure.observer import SessionObserver
 from perfmon.agent.options import DEFAULT_METRICS_ADDRESS, METRICS_OFF
+from perfmon.agent.reducers.goodput import CAUSES
 from perfmon.agent.reducers.quality import HINTS
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.job_identity import safe_name
@@ -273,6 +274,7 @@ class Metrics(Collector):
                 # Counters never go down, even if a caller passes an older summary.
                 state.gpu_events[kind_name] = max(count, state.gpu_events[kind_name])
             state.losses = losses
+            _goodput(state, fs.get("goodput"))
             state.fail_slow = _active_fail_slow(fs.get("fail_slow"))
             state.set_gauge("fail_slow_active", 0.0 if state.fail_slow is None else 1.0)
 
@@ -377,6 +379,21 @@ def _host_figures(state: JobSeries) -> None:
     both = [(compute[r], wait[r]) for r in compute.keys() & wait.keys()]
     total = sum(c + w for c, w in both)
     state.set_gauge("host_wait_ratio", sum(w for _, w in both) / total if total > 0 else None)
+
+
+def _goodput(state: JobSeries, goodput: object) -> None:
+    """The job's ledger (across its sessions where it had several): its ratio, and its
+    lost seconds by cause, which never go down (a counter; a cause recognised later may
+    move seconds from unexplained to another)."""
+    if not isinstance(goodput, dict):
+        return
+    job = goodput.get("job")
+    ledger: dict[str, Any] = job if isinstance(job, dict) else goodput
+    state.set_gauge("goodput_ratio", _number(ledger.get("ratio")))
+    for cause in CAUSES:
+        seconds = _number((ledger.get("lost_seconds") or {}).get(cause))
+        if seconds is not None:
+            state.lost_seconds[cause] = max(seconds, state.lost_seconds.get(cause, 0.0))
 
 
 def _active_fail_slow(events: object) -> tuple[float, str] | None:

@@ -27,6 +27,7 @@ from perfmon.agent.measure.budget import BudgetPool, CpuBudget
 from perfmon.agent.measure.hangs import HangWatch
 from perfmon.agent.measure.health import run_health_check
 from perfmon.agent.measure.heap import release_freed_memory
+from perfmon.agent.measure.incidents import Incidents
 from perfmon.agent.measure.model import (
     build_workload,
     explicit_model_fields,
@@ -45,9 +46,9 @@ from perfmon.agent.measure.sources import (
 from perfmon.agent.measure.wait_sampling import WaitSampling
 from perfmon.agent.options import AttachOptions
 from perfmon.agent.record.eventlog import EventLogWriter
-from perfmon.agent.record.layout import session_names, stamp
-from perfmon.agent.record.outputs import OutputDir, OutputDirError, OutputNotWritable, json_bytes
-from perfmon.agent.record.summary import SummaryFile, build_summary
+from perfmon.agent.record.layout import stamp
+from perfmon.agent.record.outputs import OutputDir, OutputNotWritable, json_bytes
+from perfmon.agent.record.summary import SummaryFile, build_summary, claim_session_files
 from perfmon.agent.reducers import Summarizer
 from perfmon.agent.reducers.steps import StepRows
 from perfmon.parsers.events import (
@@ -99,6 +100,7 @@ class SessionContext:
     setup_lock: threading.Lock | None = None
     handle_signals: bool = True  # SIGINT/SIGTERM/SIGHUP end the session (main thread only)
     job: dict[str, Any] | None = None  # the job record, kept as session_info.job
+    job_before: dict[str, Any] | None = None  # the job's earlier sessions (goodput)
 
 
 @dataclass
@@ -132,6 +134,7 @@ class _Live:
     markers: MarkerSource | None = None  # the uprobe source (None: py-spy mode)
     wait_sampling: WaitSampling | None = None  # (None: no collective waits probed)
     quality: dict[str, dict[str, Any]] = field(default_factory=dict)  # last logged, per source
+    incidents: Incidents | None = None  # a bundle per hang, straggler, fail-slow, bad exit
 
 
 class MonitorSession:
@@ -265,6 +268,8 @@ class MonitorSession:
             "pids": [t.pid for t in targets],
             "ranks": [t.rank for t in targets],
             "primary_pid": primary.pid,
+            "process_start_monotonic_ns": primary.start_monotonic_ns,
+            "job_before": self.context.job_before,
             "command_line": primary.shown_cmdline,
             "torch_library": primary.torch_library,
             "iteration_numbering": "attach",
@@ -280,7 +285,9 @@ class MonitorSession:
         facts["job"] = self.context.job or target_job(primary, facts["host"])
         # The reducers made as replay makes them, from the facts the log starts with.
         summarizer = Summarizer.from_facts(facts)
-        summary_file, log = self._claim_files(out, stamp(start_wall), facts, summarizer)
+        summary_file, log = claim_session_files(
+            out, stamp(start_wall), json_bytes(build_summary(facts, summarizer)),
+            self.options.event_log_part_bytes, self.options.event_log_max_bytes)
         facts["event_log"] = log.name
         budget = CpuBudget(opts.cpu_budget_pct, len(targets),
                            stacks if facts["stack_sampling_mode"] == "bursts" else None,
@@ -288,7 +295,8 @@ class MonitorSession:
         hangs = HangWatch(opts.hang_factor, opts.hang_timeout_s, targets=targets, out=out,
                           dumps=dumps, warn=self.warn)
         live = _Live(targets, sources, stacks, out, log, summary_file, summarizer, facts, hangs,
-                     budget, StepRows(start_ns), start_ns)
+                     budget, StepRows(start_ns), start_ns,
+                     incidents=Incidents(out, targets, facts, self.warn))
         log.append(SessionStart(start_ns, facts).to_record())
         self.context.observer.started(facts)
         return live
@@ -330,6 +338,8 @@ class MonitorSession:
                     next_refresh = now + max(SUMMARY_REFRESH_NS, spent)
                 log.flush_if_due()
                 self._take_coarsened(live)
+                if live.incidents is not None:
+                    live.incidents.poll(now, summarizer)
                 if deadline is not None and now >= deadline:
                     self._stop_reason = "duration"
                 elif now >= next_liveness:
@@ -350,6 +360,8 @@ class MonitorSession:
             if unfinished is not None:
                 self._log(live, unfinished.to_record())
             self._log_quality(live)
+            if live.incidents is not None:
+                live.incidents.close(end_ns, summarizer)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             live.budget.close()
@@ -391,6 +403,8 @@ class MonitorSession:
                 completed |= self._log(live, steps.to_record())
         for event in live.summarizer.take_events():
             self.warn(describe_event(event))
+            if live.incidents is not None:
+                live.incidents.on_event(event)
         clock = live.summarizer.clock
         if clock.measured > self._measured:
             self.context.observer.iterations(
@@ -402,6 +416,8 @@ class MonitorSession:
     def _log(self, live: _Live, record: dict[str, Any]) -> bool:
         """Log one record and feed it; True when it completed an interval."""
         live.log.append(record)
+        if live.incidents is not None:
+            live.incidents.on_record(record)
         return self._reduce(live, record)
 
     def _reduce(self, live: _Live, record: dict[str, Any]) -> bool:
@@ -439,30 +455,6 @@ class MonitorSession:
                 self._log(live, Quality(now, name, counters).to_record())
 
     # -- files -----------------------------------------------------------------------
-
-    def _claim_files(self, out: OutputDir, session_stamp: str, facts: dict[str, Any],
-                     summarizer: Summarizer) -> tuple[SummaryFile, EventLogWriter]:
-        """Claim a fresh pair of names (perfmon.agent.record.layout.session_names).
-
-        The summary is published (complete) under a name no file has, and the
-        event log created exclusively beside it; when either name is taken (two
-        agents in one second, or anything planted there), the next suffix is tried.
-        """
-        first = json_bytes(build_summary(facts, summarizer))
-        for names in session_names(session_stamp):
-            try:
-                out.publish_new(names.summary, first)
-            except FileExistsError:
-                continue
-            try:
-                log = EventLogWriter(out, names.log_stem,
-                                     part_bytes=self.options.event_log_part_bytes,
-                                     max_bytes=self.options.event_log_max_bytes)
-            except FileExistsError:
-                out.unlink(names.summary)
-                continue
-            return SummaryFile(out, names.summary), log
-        raise OutputDirError(f"output dir {out.path}: no free file name for {session_stamp}")
 
     def _write(self, live: _Live) -> None:
         """Log first (so the log always holds all the summary counts), then the summary.

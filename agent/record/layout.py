@@ -8,7 +8,9 @@ A session writes a pair into its output folder:
 
 with ``<stamp>`` the session's start (``YYYYmmdd_HHMMSS``) and ``_N`` the first
 suffix free in the folder (two agents in one second, or a name someone planted).
-A hang adds ``hang_report_<stamp>[_N].json``. The node service keeps one folder per
+A hang adds ``hang_report_<stamp>[_N].json``; a hang, a straggler, a fail-slow event or
+an abnormal exit a folder ``incident_<stamp>_<kind>[_N]/`` (INCIDENT_FILES in it). The
+node service keeps one folder per
 job, ``<job>.<user>.<YYYYmmdd-HHMMSS>/``, holding ``job.json`` and the job's pairs.
 ``summarize`` writes its summary beside the log it read, with the log's stamp.
 
@@ -29,6 +31,11 @@ SUMMARY_PREFIX, SUMMARY_SUFFIX = "perf_summary_", ".json"
 LOG_PREFIX, LOG_SUFFIX = "perf_events_", ".msgpack"
 HANG_REPORT_PREFIX = "hang_report_"
 JOB_RECORD = "job.json"
+INCIDENT_PREFIX = "incident_"
+# An incident bundle's files: what happened, every rank's stacks, the job's GPUs, each
+# rank's iterations around it, and the trace of that window.
+INCIDENT_RECORD, INCIDENT_STACKS, INCIDENT_GPUS = "incident.json", "stacks.json", "gpus.json"
+INCIDENT_HISTORY, INCIDENT_TRACE = "history.json", "trace.json"
 # As messages and help name them.
 SUMMARY_GLOB, LOG_GLOB = f"{SUMMARY_PREFIX}*{SUMMARY_SUFFIX}", f"{LOG_PREFIX}*{LOG_SUFFIX}"
 SUMMARY_NAME = f"{SUMMARY_PREFIX}<timestamp>{SUMMARY_SUFFIX}"
@@ -72,6 +79,15 @@ def log_part(stem: str, part: int) -> str:
 def hang_report_stem(when: datetime) -> tuple[str, str]:
     """(stem, suffix) of a hang report; OutputDir.publish_unique adds a free ``_N``."""
     return f"{HANG_REPORT_PREFIX}{stamp(when)}", SUMMARY_SUFFIX
+
+
+def incident_folder(when: datetime, kind: str) -> str:
+    """An incident bundle's folder name (``kind``: hang, straggler, fail_slow, exit)."""
+    return f"{INCIDENT_PREFIX}{stamp(when)}_{kind}"
+
+
+def is_incident(name: str) -> bool:
+    return name.startswith(INCIDENT_PREFIX)
 
 
 def job_folder(name: str, user: str, when: datetime) -> str:

@@ -14,7 +14,9 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
-from perfmon.agent.record.outputs import WRITE_ERRNOS, OutputDir, json_bytes
+from perfmon.agent.record.eventlog import EventLogWriter
+from perfmon.agent.record.layout import session_names
+from perfmon.agent.record.outputs import WRITE_ERRNOS, OutputDir, OutputDirError, json_bytes
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.errors import InputFileError
 from perfmon.parsers.schema_filter import SchemaFilter
@@ -72,6 +74,8 @@ class SessionInfo(TypedDict, total=False):
     health: dict[str, Any] | None
     job: dict[str, Any] | None
     exit: dict[str, Any] | None
+    process_start_monotonic_ns: int | None
+    job_before: dict[str, Any] | None
 
 
 class FinalStatistics(TypedDict, total=False):
@@ -114,6 +118,7 @@ class FinalStatistics(TypedDict, total=False):
     data_quality: dict[str, Any] | None
     kernel_launches_sampled_iterations: int | None
     fail_slow: list[Any] | None
+    goodput: dict[str, Any] | None
 
 
 class IterationEntry(TypedDict, total=False):
@@ -242,3 +247,25 @@ def check_summary(summary: dict[str, Any], source: str) -> tuple[dict[str, Any],
         return summary, None
     return summary, (f"{source}: {filtered.changed} value(s) not as its schema allows "
                      f"shown as unknown ({'; '.join(filtered.examples)})")
+
+
+def claim_session_files(out: OutputDir, session_stamp: str, first_summary: bytes,
+                        part_bytes: int, max_bytes: int) -> tuple[SummaryFile, EventLogWriter]:
+    """A session's pair under a fresh stem (perfmon.agent.record.layout.session_names).
+
+    The summary is published (complete, ``first_summary``) under a name no file has, and
+    the event log created exclusively beside it; when either name is taken (two agents
+    in one second, or anything planted there), the next suffix is tried.
+    """
+    for names in session_names(session_stamp):
+        try:
+            out.publish_new(names.summary, first_summary)
+        except FileExistsError:
+            continue
+        try:
+            log = EventLogWriter(out, names.log_stem, part_bytes=part_bytes, max_bytes=max_bytes)
+        except FileExistsError:
+            out.unlink(names.summary)
+            continue
+        return SummaryFile(out, names.summary), log
+    raise OutputDirError(f"output dir {out.path}: no free file name for {session_stamp}")

@@ -18,6 +18,7 @@ means one record type (perfmon.parsers.events) and one reducer here.
 - exits.Exits: how each rank ended, and the job's cause
 - ranks.RankTimes: every rank's step, wait and compute; stragglers
 - failslow.FailSlow: sustained shifts of the step time, and recoveries
+- goodput.Goodput: where the session's (and the job's) GPU-hours went
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 from perfmon.agent.reducers.cuda import CudaActivity
 from perfmon.agent.reducers.exits import Exits
 from perfmon.agent.reducers.failslow import FailSlow
+from perfmon.agent.reducers.goodput import Goodput
 from perfmon.agent.reducers.intervals import DEFAULT_MAX_LOG_ENTRIES, Intervals
 from perfmon.agent.reducers.iterations import IterationClock
 from perfmon.agent.reducers.phases import PhaseAccount
@@ -73,6 +75,8 @@ class Summarizer:
             max_log_entries=facts.get("iteration_logs_max_entries"),
             ranks=rank_map(facts),
             step_rows=bool(facts.get("step_rows")),
+            process_start_ns=facts.get("process_start_monotonic_ns"),
+            previous=facts.get("job_before"),
         )
 
     def __init__(self, workload: Workload, primary_pid: int, start_t_mono_ns: int,
@@ -80,7 +84,8 @@ class Summarizer:
                  phases_continuous: bool = True, cuda_counters: bool = False,
                  max_log_entries: int | None = DEFAULT_MAX_LOG_ENTRIES,
                  ranks: dict[int, int | None] | None = None,
-                 step_rows: bool = False) -> None:
+                 step_rows: bool = False, process_start_ns: int | None = None,
+                 previous: dict[str, Any] | None = None) -> None:
         self.workload = workload
         self.start_t_mono_ns = start_t_mono_ns
         self.start_wall_s = start_wall_s
@@ -98,6 +103,9 @@ class Summarizer:
         self.ranks = RankTimes(ranks or {primary_pid: None}, primary_pid, start_t_mono_ns,
                                self.wall_time)
         self.failslow = FailSlow(self.wall_time, self.ranks)
+        self.goodput = Goodput(start_t_mono_ns, process_start_ns, len(ranks or [primary_pid]),
+                               previous)
+        self._latest_ns = start_t_mono_ns  # the latest record's time: "now" for the ledger
         self.intervals = Intervals(
             clock=self.clock, phases=self.phases, resources=self.resources, cuda=self.cuda,
             log_interval=log_interval, max_log_entries=max_log_entries,
@@ -120,7 +128,7 @@ class Summarizer:
             "xid": self.resources.on_gpu_event,
             "ecc": self.resources.on_gpu_event,
             "job_iteration": self.clock.job.on_read,
-            "hang": self.hangs.on_hang,
+            "hang": self._on_hang,
             "hang_recovered": self.hangs.on_recovered,
             "quality": self._on_quality,
             "rank_exit": self.exits.on_exit,
@@ -134,6 +142,7 @@ class Summarizer:
     def feed(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Take one record; return the iteration_logs entries it completed."""
         kind = record["type"]
+        self._latest_ns = max(self._latest_ns, record.get("t_mono_ns") or 0)
         self._take_rows(kind)
         handler = self._handlers.get(kind)
         if handler is not None:
@@ -186,6 +195,9 @@ class Summarizer:
                 self.ranks.on_primary_iteration(end)
                 self.intervals.on_iteration(it)
                 self.failslow.on_iteration(end, it.step_time_ns)
+                self.goodput.on_iteration(end, it.step_time_ns, self.failslow.baseline)
+            elif self.clock.iterations_ended == 1:
+                self.goodput.on_first_end(end)
 
     def _on_coarsened(self, record: dict[str, Any]) -> None:
         self.coarsening.on_coarsened(record)
@@ -207,6 +219,10 @@ class Summarizer:
         events = self.ranks.new_events + self.failslow.new_events
         self.ranks.new_events, self.failslow.new_events = [], []
         return events
+
+    def _on_hang(self, record: dict[str, Any]) -> None:
+        self.hangs.on_hang(record)
+        self.goodput.on_hang(record)
 
     def _on_quality(self, record: dict[str, Any]) -> None:
         self.quality.on_quality(record)
@@ -262,6 +278,18 @@ class Summarizer:
             fields["iteration_counter"] = self.clock.job.variable
         return fields
 
+    def _goodput(self) -> dict[str, Any]:
+        offset = self.clock.job.offset
+        self.goodput.first_job_iteration = 1 + offset if offset is not None else None
+        ledger = self.goodput.summary(self.end_t_mono_ns or self._latest_ns,
+                                      self.failslow.summary(), self.ranks.stragglers(),
+                                      self.hangs.hung)
+        # (the job's own number of its last iteration: a next session, after a restart,
+        # counts the iterations redone from it)
+        ledger["last_job_iteration"] = (self.clock.iterations_ended + offset
+                                        if offset is not None else None)
+        return ledger
+
     def final_statistics(self) -> dict[str, Any]:
         self._take_rows()
         samples_s, tokens_s, tflops = self.clock.totals.rates(self.workload.world_size)
@@ -290,6 +318,7 @@ class Summarizer:
             "hangs": self.hangs.hangs,
             "stragglers": self.ranks.stragglers(),
             "fail_slow": self.failslow.summary(),
+            "goodput": self._goodput(),
             "data_quality": self.quality.summary(),
         }
         # Each rank's memory peaks (resources) and its step, wait and compute means.

@@ -136,6 +136,12 @@ class _Rank:
         rows = self.history[:self.kept]
         return [tuple(row) for row in rows[rows[:, _PROBED] == 1, :_PROBED].tolist()]
 
+    def rows_between(self, start_ns: int, end_ns: int) -> list[tuple[int, int, int | None]]:
+        """(end, step, wait; None where not probed) of the rows kept that ended between
+        the two instants."""
+        rows = self.history[self.at(start_ns - 1):self.at(end_ns), :_SUM_STEP].tolist()
+        return [(end, step, wait if probed else None) for end, step, wait, probed in rows]
+
     def probed_window(self, i: int, n: int, least: int) -> np.ndarray:
         """The (step, wait) of the probed rows among the last ``n`` before history index
         ``i`` (all of them when every wait is probed), or of the last ``least`` probed

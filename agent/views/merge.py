@@ -41,6 +41,7 @@ from perfmon.agent.console import printable, warn
 from perfmon.agent.record.layout import SUMMARY_GLOB
 from perfmon.agent.record.outputs import json_bytes, write_user_file
 from perfmon.agent.record.runs import RecordedRun, find_runs, read_summary_run
+from perfmon.agent.reducers.goodput import Ledger, combined, recorded_ledger
 from perfmon.agent.reducers.iterations import percentile
 from perfmon.agent.reducers.ranks import MAD_TO_SIGMA, StragglerRule
 from perfmon.parsers.errors import InputFileError
@@ -153,6 +154,11 @@ class Node:
                 causes.append({"host": self.host, **cause, "time": rank.get("time")})
         return causes
 
+    def ledger(self) -> Ledger | None:
+        """Its goodput ledger of the job: its sessions' in time order."""
+        runs = sorted(self.runs, key=lambda r: str(r.info.get("start_time") or ""))
+        return recorded_ledger([r.stats.get("goodput") for r in runs])
+
     def row(self) -> dict[str, Any]:
         infos, stats = [r.info for r in self.runs], [r.stats for r in self.runs]
         pids = sorted({p for i in infos for p in i.get("pids") or [] if isinstance(p, int)})
@@ -173,6 +179,7 @@ class Node:
             "mfu": self.stat("mfu"),
             "peak_memory_gb": max(peaks) if peaks else None,
             "stragglers": sum(len(st.get("stragglers") or []) for st in stats),
+            "goodput_ratio": ledger.to_dict()["ratio"] if (ledger := self.ledger()) else None,
             "fail_slow_events": sum(1 for st in stats for e in st.get("fail_slow") or []
                                     if isinstance(e, dict) and e.get("event") == "fail_slow"),
             "hung": any(bool(i.get("hung")) for i in infos),
@@ -264,6 +271,8 @@ def merge(runs: list[RecordedRun], job_id: str) -> dict[str, Any]:
             **_job_statistics(rows, logs),
             "nodes": rows,
             "slowest_node": _slowest(rows),
+            "goodput": (job_ledger.to_dict() if (job_ledger := combined(
+                [x for n in nodes.values() if (x := n.ledger()) is not None])) else None),
             "slow_host": slow_host(rows, [v for n in nodes.values()
                                            for v in n.rank_values("avg_step_time_ms")]),
             "stragglers": [e for n in nodes.values() for e in n.events("stragglers")],

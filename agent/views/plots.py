@@ -334,6 +334,42 @@ def plot_throughput(run: Run, plot_id: str) -> Plot:
                 "(CPU jobs; --peak-tflops), as TFLOPS per GPU.", fig)
 
 
+# The ledger's parts, productive first, in the colours of a traffic light's gradient.
+_LEDGER = (("productive", "#2a9d8f"), ("startup", "#8ecae6"), ("restart", "#219ebc"),
+           ("hang", "#e63946"), ("straggler", "#f4a261"), ("slowdown", "#e76f51"),
+           ("data_stall", "#e9c46a"), ("unexplained", "#adb5bd"))
+
+
+def plot_goodput(run: Run, plot_id: str) -> Plot | None:
+    """Where the GPU-hours went: one bar, productive then each cause (the job's ledger
+    across its sessions where it had several, else the session's); None without one."""
+    goodput = run.stats.get("goodput")
+    if not isinstance(goodput, dict):
+        return None
+    ledger = goodput["job"] if isinstance(goodput.get("job"), dict) else goodput
+    lost = ledger.get("lost_gpu_hours") or {}
+    parts = [(name, colour, hours) for name, colour in _LEDGER
+             if isinstance(hours := ledger.get("productive_gpu_hours") if name == "productive"
+                           else lost.get(name), int | float) and hours > 0]
+    if not parts:  # (a session that ended before its first iteration: nothing to draw)
+        return None
+    fig = _figure(2.4)  # (one bar, and its legend of up to eight causes below it)
+    ax = fig.add_subplot()
+    left = 0.0
+    for name, colour, hours in parts:
+        ax.barh([0], [hours], left=left, color=colour, label=f"{name} {hours:.3g}")
+        left += hours
+    ax.set_yticks([])
+    ax.set_xlabel("GPU-hours")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncols=4, fontsize=7)
+    ratio = ledger.get("ratio")
+    title = "Goodput" + (f" {ratio:.1%}" if isinstance(ratio, int | float) else "")
+    return Plot(plot_id, title,
+                "Where the GPU-hours went (docs/metrics.md, Goodput): the iterations at the "
+                "job's healthy pace, and the time lost by cause; across the job's sessions "
+                "(restarts included) where it had several.", fig)
+
+
 def plot_combined_step_time(runs: list[Run], plot_id: str) -> Plot:
     fig = _figure(3.2)
     ax = fig.add_subplot()
@@ -371,6 +407,9 @@ def run_plots(run: Run, suffix: str = "") -> list[Plot]:
     if gpu is not None:
         plots.append(gpu)
     plots.append(plot_throughput(run, f"plot-throughput{suffix}"))
+    goodput = plot_goodput(run, f"plot-goodput{suffix}")
+    if goodput is not None:
+        plots.append(goodput)
     for plot in plots:
         plot.context = printable(run.title())
     return plots

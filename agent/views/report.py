@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 
 from perfmon.agent.argtypes import Command, positive_int
 from perfmon.agent.console import fmt, printable, warn
+from perfmon.agent.record.incidents import find_incidents
 from perfmon.agent.record.outputs import OutputDir, OutputNotWritable, json_bytes, write_user_file
 from perfmon.agent.views.plots import (
     Plot,
@@ -47,6 +49,7 @@ from perfmon.agent.views.series import (
     phase_figures,
     ranges,
 )
+from perfmon.parsers.errors import PerfmonError
 
 RANKS_EACH_WAY = 64  # a job of more ranks: the 64 slowest and fastest, the rest in one row
 
@@ -256,7 +259,25 @@ def quality_notes(run: Run) -> list[str]:
     return notes
 
 
-def _section(run: Run, index: int, count: int) -> tuple[str, list[Plot]]:
+def _incidents_html(run: Run, suffix: str, page_folder: Path | None) -> str:
+    """The incident bundles beside the run's file, linked (none: nothing)."""
+    try:
+        found = find_incidents(run.source.parent, depth=0)
+    except PerfmonError:
+        return ""
+    if not found:
+        return ""
+    items = []
+    for i in found:
+        href = os.path.relpath(i.folder, page_folder) if page_folder else str(i.folder)
+        items.append(f'<li><a href="{html.escape(href)}/">{_text(i.time)} {_text(i.kind)}</a>: '
+                     f"{_text(i.what)}</li>")
+    return (f'<h3>Incidents</h3>\n<ul class="incidents" id="incidents{suffix}">'
+            + "".join(items) + "</ul>")
+
+
+def _section(run: Run, index: int, count: int, page_folder: Path | None = None
+             ) -> tuple[str, list[Plot]]:
     suffix = "" if count == 1 else f"-{index}"
     plots = run_plots(run, suffix)
     parts = [f'<section class="run" id="run{suffix or "-1"}">',
@@ -277,6 +298,7 @@ def _section(run: Run, index: int, count: int) -> tuple[str, list[Plot]]:
     header, rows = _rank_rows(run)
     parts.append("<h3>Ranks</h3>")
     parts.append(_table(rows, header, f"ranks-table{suffix}", {0, 1, 3, 4}))
+    parts.append(_incidents_html(run, suffix, page_folder))
     parts.append("<h3>Data quality</h3>")
     notes = quality_notes(run)
     parts.append(f'<ul class="quality" id="data-quality{suffix}">'
@@ -308,8 +330,9 @@ def _pids_cell(pids: list[Any]) -> str:
     return ", ".join(map(str, pids)) if len(pids) <= 8 else f"{len(pids):,} processes"
 
 
-def render_report(runs: list[Run]) -> tuple[str, list[Plot]]:
-    """The HTML page of the runs (one section each) and the plots on it."""
+def render_report(runs: list[Run], page_folder: Path | None = None) -> tuple[str, list[Plot]]:
+    """The HTML page of the runs (one section each) and the plots on it; links to the
+    incident bundles beside the runs are relative to ``page_folder`` (the page's)."""
     count = len(runs)
     title = runs[0].title() if count == 1 else f"{count} logs"
     body = ["<header>", "<h1>perfmon-agent report</h1>",
@@ -325,7 +348,7 @@ def render_report(runs: list[Run]) -> tuple[str, list[Plot]]:
         body += ['<section id="combined">', "<h2>All logs</h2>", _combined_table(runs),
                  _figure_html(combined), "</section>"]
     for i, run in enumerate(runs, 1):
-        section, section_plots = _section(run, i, count)
+        section, section_plots = _section(run, i, count, page_folder)
         body.append(section)
         plots += section_plots
     body.append('<footer class="muted"><p>Made by <code>perfmon-agent report</code>; see '
@@ -362,7 +385,7 @@ def report_main(args: argparse.Namespace) -> int:
     for run in runs:
         for line in run.warnings:
             warn(line)  # each names its file
-    page, plots = render_report(runs)
+    page, plots = render_report(runs, args.output.resolve().parent)
     data = page.encode()
     write_user_file(args.output, data)
     pngs: list[str] = []

@@ -169,6 +169,16 @@ def _state(job: RecordedRun, now_s: float) -> Text:
     return Text("running", style="green")
 
 
+def _goodput_ratio(stats: dict[str, Any]) -> float | None:
+    """The job's goodput (across its sessions where it had several), else the session's."""
+    goodput = stats.get("goodput")
+    if not isinstance(goodput, dict):
+        return None
+    job = goodput.get("job")
+    ratio = (job if isinstance(job, dict) else goodput).get("ratio")
+    return ratio if isinstance(ratio, int | float) else None
+
+
 def _step_history(job: RecordedRun) -> list[float]:
     steps = [e.get("step_time_ms") for e in job.summary.get("iteration_logs") or []
              if isinstance(e, dict)]
@@ -180,7 +190,8 @@ def _step_history(job: RecordedRun) -> list[float]:
 COLUMNS = (("job", "left", 10), ("state", "left", 7), ("step history", "left", 0),
            ("step", "right", 9), ("last", "right", 6), ("tok/s", "right", 5),
            ("TFLOPS", "right", 6), ("MFU", "right", 5), ("mem GiB", "right", 7),
-           ("GPU %", "right", 5), ("phases", "left", 0), ("flags", "left", 5))
+           ("GPU %", "right", 5), ("goodput", "right", 7), ("phases", "left", 0),
+           ("flags", "left", 5))
 _EMPTY = ("", "-", "- / -")
 
 
@@ -250,6 +261,7 @@ def _job_rows(job: RecordedRun, now_s: float, blocks: str, spark: int
         fmt(stats.get("mfu"), ".1%"),
         f"{fmt(last_memory, '.2f')} / {fmt(stats.get('peak_memory_gb'), '.2f')}",
         fmt(stats.get("avg_gpu_utilization_pct"), ".0f"),
+        fmt(_goodput_ratio(stats), ".1%"),
         phase_bar(_latest_phases(job)),
         Text(" ").join(flags) if flags else "",
     ])]
@@ -270,7 +282,7 @@ def _job_rows(job: RecordedRun, now_s: float, blocks: str, spark: int
             flag = Text("STRAGGLER", style="bold yellow")
         rank_rows.append((False, [Text(f" rank {'?' if rank is None else rank} pid {pid}"),
                                   "", "", "", "", "", "", "",
-                                  f"peak {fmt(rank_memory, '.2f')}", "", "", flag]))
+                                  f"peak {fmt(rank_memory, '.2f')}", "", "", "", flag]))
     if selection.rest:
         rank_rows.insert(selection.rest_at, (False, [
             Text(f" {describe_rest(selection)}", style="dim"), *[""] * (len(COLUMNS) - 1)]))

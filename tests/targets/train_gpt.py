@@ -68,10 +68,11 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def deliberately_stalled_collective() -> None:
-    """Stands in for a rank stuck in a collective: never returns."""
-    while True:
-        time.sleep(3600)
+def deliberately_stalled_collective(seconds: float = 0.0) -> None:
+    """Stands in for a rank stuck in a collective: never returns (or after ``seconds``)."""
+    end = time.monotonic() + seconds
+    while not seconds or time.monotonic() < end:
+        time.sleep(min(3600.0, max(0.01, end - time.monotonic())) if seconds else 3600)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,6 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timestamps", help="append time.monotonic_ns() of each step here")
     p.add_argument("--data-delay-ms", type=float, default=0.0)
     p.add_argument("--stall-at", type=int, default=0, help="stall forever at this iteration")
+    p.add_argument("--stall-for", type=float, default=0.0,
+                   help="... or for this many seconds (a hang that resolves)")
+    p.add_argument("--checkpoint", help="a file: resume from the iteration it names, and "
+                   "write the iteration to it every --checkpoint-every iterations")
+    p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
@@ -256,7 +262,9 @@ def train(args: argparse.Namespace) -> None:
     if args.anonymous_loop:
         loop(args, model, optimizer, batches, stamps, device)
         return
-    iteration = 0
+    # (a restarted job resumes from its last checkpoint: the iterations since are redone)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    iteration = int(checkpoint.read_text()) if checkpoint and checkpoint.exists() else 0
     started = last = time.monotonic()
     steps: list[float] = []  # step times before the slowdown: its reference
     while args.train_iters == 0 or iteration < args.train_iters:
@@ -273,7 +281,7 @@ def train(args: argparse.Namespace) -> None:
                 steps.append(now - last)
         last = now
         if args.stall_at and iteration == args.stall_at:
-            deliberately_stalled_collective()
+            deliberately_stalled_collective(args.stall_for)
         for _ in range(args.grad_accum):
             tokens = next(batches).to(device, non_blocking=True)
             logits = model(tokens[:, :-1])
@@ -286,6 +294,9 @@ def train(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         iteration += 1
+        if checkpoint and args.checkpoint_every and iteration % args.checkpoint_every == 0 \
+                and rank == 0:
+            checkpoint.write_text(str(iteration))
         if iteration % 50 == 0:
             memory = (f" max_memory_reserved {torch.cuda.max_memory_reserved() / 1e9:.3f} GB"
                       if device.type == "cuda" else "")

@@ -1,0 +1,229 @@
+"""The goodput ledger on real jobs, each started by `perfmon-agent run` (so the ledger
+starts at the job's process start): a healthy job, one that hangs for 20 s, one whose
+forward is slower by half for 30 s (the three side by side: they stand for GPU jobs,
+tests/targets/train_gpt.py --device-ms, and barely use the CPU), and a torchrun job
+whose rank is killed and restarted (--max-restarts) from its last checkpoint. Each
+ledger adds up to the wall time, and each cause's seconds are what the job's own clock
+says was lost."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import TRAIN_GPT, Agent, Target, _reap, ebpf_missing, wait_for
+from tests.test_trace import _load as trace_events
+
+JOB = ("--num-layers", "1", "--hidden-size", "64", "--seq-length", "32", "--device-ms", "120")
+HANG_AT, HANG_S = 100, 20.0
+SLOW = (20, 50, 0.5)  # seconds after training started, and by how much of the step
+
+
+@dataclass
+class Done:
+    summary: dict[str, Any]
+    stamps: Target
+    process_start_ns: int  # the job's process start (CLOCK_MONOTONIC), from psutil
+    summary_folder: Path
+
+    @property
+    def goodput(self) -> dict[str, Any]:
+        return self.summary["final_statistics"]["goodput"]
+
+    def steps(self) -> list[tuple[int, int]]:
+        """(end, step) of every iteration by the job's own clock."""
+        ends = [t for _, t in self.stamps.timestamps()]
+        return [(b, b - a) for a, b in itertools.pairwise(ends)]
+
+    def healthy_ns(self) -> float:
+        return statistics.median(s for _, s in self.steps())
+
+
+def _mono_start(pid: int) -> int:
+    """A process's start time on CLOCK_MONOTONIC."""
+    return time.monotonic_ns() - int((time.time() - psutil.Process(pid).create_time()) * 1e9)
+
+
+def _job_pid(agent_pid: int) -> int:
+    def find() -> int | None:
+        return next((c.pid for c in psutil.Process(agent_pid).children(recursive=True)
+                     if str(TRAIN_GPT) in " ".join(c.cmdline())), None)
+    return wait_for(find, 60, "the job's process")
+
+
+def incident(folder: Path, kind: str, ranks: int = 1) -> Path:
+    """The one ``kind`` bundle in ``folder``, checked: its record, every rank's stacks (a
+    rank that exited says so), the GPUs (none here), each rank's iterations around it,
+    and a trace that opens as `perfmon-agent trace`'s do."""
+    (bundle,) = folder.glob(f"incident_*_{kind}")
+    record = json.loads((bundle / "incident.json").read_text())
+    assert record["kind"] == kind and record["what"]
+    assert set(record["files"]) == {"incident.json", "gpus.json", "stacks.json",
+                                    "history.json", "trace.json"}, record
+    stacks = json.loads((bundle / "stacks.json").read_text())
+    assert len(stacks) == ranks
+    assert all(r.get("exited") or r["threads"] for r in stacks.values()), stacks
+    assert json.loads((bundle / "gpus.json").read_text())["available"] is False
+    history = json.loads((bundle / "history.json").read_text())
+    assert len(history["ranks"]) == ranks and any(r["iterations"] for r in history["ranks"])
+    events = trace_events(bundle / "trace.json")
+    start, end = record["window_mono_ns"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert slices and all(start / 1e3 <= e["ts"] + e["dur"] and e["ts"] <= end / 1e3
+                          for e in slices)
+    return bundle
+
+
+def _adds_up(ledger: dict[str, Any]) -> None:
+    total = ledger["productive_seconds"] + sum(ledger["lost_seconds"].values())
+    assert total == pytest.approx(ledger["wall_seconds"], rel=0.01), ledger
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Done]]:
+    if (reason := ebpf_missing()) is not None:
+        pytest.fail(f"eBPF uprobes cannot run: {reason}")
+    scenarios = {
+        "healthy": ("--train-iters", "300"),
+        "hang": ("--train-iters", "300", "--stall-at", str(HANG_AT), "--stall-for", str(HANG_S)),
+        "slowed": ("--train-iters", "500", "--slow-ranks", "all", "--slow-wait",
+                   "--slow-schedule", f"{SLOW[0]}-{SLOW[1]}:{SLOW[2]}"),
+    }
+    agent, runs, done = Agent(), {}, {}
+    try:
+        for name, args in scenarios.items():
+            folder = tmp_path_factory.mktemp(name)
+            stamps = folder / "stamps.txt"
+            proc = agent.start("run", "--output-dir", str(folder), "--metrics-address", "off",
+                               "--hang-timeout", "5", "--", sys.executable, str(TRAIN_GPT),
+                               *JOB, "--timestamps", str(stamps), *args)
+            runs[name] = (proc, folder, stamps, _mono_start(_job_pid(proc.pid)))
+        for name, (proc, folder, stamps, start_ns) in runs.items():
+            _, stderr = proc.communicate(timeout=240)
+            assert proc.returncode == 0, stderr
+            (path,) = folder.glob("perf_summary_*.json")
+            done[name] = Done(json.loads(path.read_text()), Target(proc, stamps), start_ns,
+                              folder)
+        yield done
+    finally:
+        for proc in agent.procs:
+            _reap(proc)
+
+
+def test_a_healthy_jobs_ledger_is_its_start_up_and_its_iterations(jobs: dict[str, Done]) -> None:
+    run = jobs["healthy"]
+    ledger = run.goodput
+    _adds_up(ledger)
+    assert ledger["from"] == "process_start" and ledger["gpus"] == 1
+    # Start-up: from the process start to its first iteration (less one healthy step).
+    first_end = run.stamps.timestamps()[0][1]
+    startup_s = (first_end - run.process_start_ns - run.healthy_ns()) / 1e9
+    assert ledger["lost_seconds"]["startup"] == pytest.approx(startup_s, rel=0.1, abs=0.3)
+    after = ledger["productive_seconds"] / (ledger["wall_seconds"]
+                                           - ledger["lost_seconds"]["startup"])
+    assert after >= 0.95, ledger
+    lost = {c: s for c, s in ledger["lost_seconds"].items() if c not in ("startup",
+                                                                          "unexplained")}
+    assert all(s == 0 for s in lost.values()), ledger
+
+
+def test_a_20s_hang_is_20s_of_hang(jobs: dict[str, Done]) -> None:
+    run = jobs["hang"]
+    ledger = run.goodput
+    _adds_up(ledger)
+    # The job's own clock: its hung iteration's step beyond a healthy one.
+    hung = max(s for _, s in run.steps())
+    assert ledger["lost_seconds"]["hang"] == pytest.approx((hung - run.healthy_ns()) / 1e9,
+                                                           rel=0.1)
+    assert ledger["lost_seconds"]["hang"] == pytest.approx(HANG_S, rel=0.1)
+    assert run.summary["final_statistics"]["hangs"], "the hang was reported"
+    bundle = incident(run.summary_folder, "hang")
+    # `perfmon-agent incidents` lists it.
+    listed = subprocess.run([sys.executable, "-m", "perfmon.agent.cli", "incidents",
+                             str(run.summary_folder), "--json"], capture_output=True,
+                            text=True, timeout=60, check=True)
+    (found,) = json.loads(listed.stdout)["incidents"]
+    assert found["folder"] == str(bundle) and found["kind"] == "hang"
+
+
+def test_a_forward_slower_by_half_for_30s_is_its_excess_as_a_slowdown(
+        jobs: dict[str, Done]) -> None:
+    run = jobs["slowed"]
+    ledger = run.goodput
+    _adds_up(ledger)
+    # What the slower forward added, by the job's own clock: each step's excess over the
+    # healthy step, in the steps that ended inside the slowdown (and one past it).
+    healthy = statistics.median(s for _, s in run.steps()[:100])
+    excess = [s - healthy for _, s in run.steps() if s > 1.25 * healthy]
+    injected_s = sum(excess) / 1e9
+    assert 8 <= injected_s <= 12  # (~30 s at half again the step: a third of it, 10 s)
+    assert ledger["lost_seconds"]["slowdown"] == pytest.approx(injected_s, rel=0.1), ledger
+    incident(run.summary_folder, "fail_slow")
+
+
+def test_a_killed_rank_restarted_by_torchrun_is_a_restart_in_the_jobs_ledger(
+        tmp_path: Path) -> None:
+    if (reason := ebpf_missing()) is not None:
+        pytest.fail(f"eBPF uprobes cannot run: {reason}")
+    stamps, checkpoint = tmp_path / "stamps.txt", tmp_path / "checkpoint"
+    agent = Agent()
+    try:
+        proc = agent.start(
+            "run", "--output-dir", str(tmp_path), "--metrics-address", "off", "--",
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", "--max-restarts", "1", str(TRAIN_GPT), "--ddp", *JOB, "--train-iters", "260",
+            "--checkpoint", str(checkpoint), "--checkpoint-every", "50",
+            "--timestamps", str(stamps),
+            # (torch shares the rendezvous store with the workers, and a restarted
+            # worker can read its peer's address from the attempt before, then wait
+            # for it forever: pytorch/pytorch#135712, seen here with gloo)
+            env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        job = Target(proc, stamps)
+        job.wait_for_iterations(2 * 130, timeout_s=120)  # (both ranks stamp each iteration)
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                 if str(TRAIN_GPT) in " ".join(c.cmdline())]
+        victim = next(r for r in ranks if r.environ().get("RANK") == "1")
+        killed_at = max(t for _, t in job.timestamps())
+        last_before = max(i for i, _ in job.timestamps())
+        victim.send_signal(signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr  # (torchrun restarted it, and it finished)
+    finally:
+        for p in agent.procs:
+            _reap(p)
+    summaries = sorted(tmp_path.glob("perf_summary_*.json"))
+    assert len(summaries) == 2, summaries  # one session per incarnation
+    second = json.loads(summaries[-1].read_text())
+    ledger = second["final_statistics"]["goodput"]
+    job_ledger = ledger["job"]
+    _adds_up(job_ledger)
+    # The job's own clock (the first rank to stamp each iteration): from the last
+    # iteration before the kill to the first after the restart (less that one's healthy
+    # step), and the iterations redone since the checkpoint it resumed from.
+    before: dict[int, int] = {}
+    after: dict[int, int] = {}
+    for i, t in job.timestamps():
+        side = before if t <= killed_at else after
+        side[i] = min(t, side.get(i, t))
+    ends = [before[i] for i in sorted(before)]
+    healthy = statistics.median(b - a for a, b in itertools.pairwise(ends))
+    resumed_from = min(after) - 1
+    redone = last_before - resumed_from
+    truth_s = (min(after.values()) - killed_at - healthy + redone * healthy) / 1e9
+    assert 0 < redone <= 50
+    assert job_ledger["lost_seconds"]["restart"] == pytest.approx(truth_s, rel=0.1), (
+        job_ledger, truth_s, redone)
+    assert second["session_info"]["job_before"]["last_job_iteration"] is not None
+    incident(tmp_path, "exit", ranks=2)
