@@ -11,6 +11,7 @@ from perfmon.agent.measure.incidents import MAX_KEPT, MAX_PER_SESSION, Incidents
 from perfmon.agent.record.incidents import find_incidents
 from perfmon.agent.record.outputs import OutputDir
 from perfmon.agent.reducers import Summarizer
+from perfmon.parsers.events import GpuSamples
 
 from tests.test_trace import _load as trace_events
 
@@ -50,3 +51,21 @@ def test_at_most_max_per_session_bundles_and_max_kept_in_the_folder(tmp_path: Pa
         assert set(incident.files) == {"incident.json", "gpus.json", "stacks.json",
                                        "history.json", "trace.json"}
         trace_events(incident.folder / "trace.json")
+
+
+def test_a_bundle_holds_the_latest_nvml_sample_of_the_jobs_gpus(tmp_path: Path) -> None:
+    # A gpu record as the NVML source logs it: every GPU of the host in one sample.
+    out = OutputDir.open(tmp_path / "out")
+    incidents = Incidents(out, [], FACTS, lambda _line: None)
+    for t, used in ((1 * S, 1 << 30), (2 * S, 2 << 30)):
+        incidents.on_record(GpuSamples(t, gpus=[
+            {"index": 0, "utilization_gpu_pct": 90, "process_memory_bytes": {4242: used}},
+            {"index": 1, "utilization_gpu_pct": 0, "process_memory_bytes": {777: 1 << 30}},
+        ]).to_record())
+    incidents.begin("hang", 2 * S, 3 * S, "no iteration", pids=[4242], figures={})
+    incidents.close(4 * S, Summarizer.from_facts(FACTS))
+    (incident,) = find_incidents(tmp_path / "out")
+    gpus = json.loads((incident.folder / "gpus.json").read_text())
+    assert gpus["available"] and gpus["t_mono_ns"] == 2 * S and gpus["job_processes_seen"]
+    assert gpus["gpus"] == [{"index": 0, "utilization_gpu_pct": 90,
+                             "process_memory_bytes": {"4242": 2 << 30}}]

@@ -73,7 +73,7 @@ class Incidents:
         self.out, self.targets, self.facts, self.warn = out, targets, facts, warn
         self.written = 0
         self._window: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDS)
-        self._gpu: dict[int, dict[str, Any]] = {}  # index -> its latest sample
+        self._gpu: dict[str, Any] | None = None  # the latest NVML sample (every GPU)
         self._open: list[_Open] = []
         self._stacks = BackgroundCalls("perfmon-incident-stacks")
         self._said_full = False
@@ -86,7 +86,7 @@ class Incidents:
         self._window.append(record)
         kind = record["type"]
         if kind == "gpu":
-            self._gpu[record["index"]] = record
+            self._gpu = record
         elif kind == "hang":
             self.begin("hang", record["last_iteration_mono_ns"], record["t_mono_ns"],
                        f"no iteration for {record['threshold_s']:.1f} s; the ranks wait in "
@@ -201,11 +201,16 @@ class Incidents:
             incident.record["files"] = list(incident.files)
 
     def _gpu_snapshot(self) -> dict[str, Any]:
-        if not self._gpu:
+        """The latest NVML sample of the GPUs the job's processes hold memory on (every
+        GPU when NVML names none of them: it cannot see processes in some containers)."""
+        if self._gpu is None:
             return {"available": False, "why": "no NVML sample of the job's GPUs"}
-        return {"available": True,
-                "gpus": [{k: v for k, v in r.items() if k != "type"}
-                         for _, r in sorted(self._gpu.items())]}
+        pids = set(self.facts.get("pids") or [])
+        gpus = self._gpu["gpus"]
+        theirs = [g for g in gpus if pids & {int(p) for p in g.get("process_memory_bytes")
+                                             or {}}]
+        return {"available": True, "t_mono_ns": self._gpu["t_mono_ns"],
+                "gpus": theirs or gpus, "job_processes_seen": bool(theirs)}
 
     def _prune(self) -> None:
         """Keep the newest MAX_KEPT bundles this agent made in the folder."""
