@@ -35,6 +35,11 @@ def warn(line: str) -> None:
     print(f"{PROG}: warning: {printable(line)}", file=sys.stderr, flush=True)
 
 
+def note(line: str) -> None:
+    """One note line on stderr (--verbose): nothing to act on, nothing made wrong."""
+    print(f"{PROG}: note: {printable(line)}", file=sys.stderr, flush=True)
+
+
 def quiet_broken_pipe() -> None:
     """After stdout's reader went away: no more writes, no traceback at exit.
 
@@ -109,7 +114,7 @@ def progress_line(entry: dict[str, Any]) -> str:
         f"iter {entry['iteration']:>6} | step {fmt(entry['step_time_ms'], '.2f', ' ms')} | "
         f"{fmt(entry['tokens_per_sec'], ',.0f', ' tok/s')} | "
         f"{fmt(entry['TFLOPS_per_GPU'], '.2f', ' TFLOPS/GPU')} | "
-        f"mem {fmt(entry['memory_GB'], '.2f', ' GB')}"
+        f"mem {fmt(entry['memory_GB'], '.2f', ' GiB')}"
     )
 
 
@@ -136,7 +141,7 @@ def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -
         ("TFLOPS per GPU", fmt(stats.get("avg_tflops_per_gpu"), ".3f")),
         ("MFU", fmt(stats.get("mfu"), ".1%")),
         ("micro-batches per step", fmt(stats.get("microbatches_per_step"), "d")),
-        ("peak memory", fmt(stats.get("peak_memory_gb"), ".2f", " GB")),
+        ("peak memory", fmt(stats.get("peak_memory_gb"), ".2f", " GiB")),
         ("model source", str((info.get("model") or {}).get("source") or "none")),
         ("iterations from", str(stats.get("iteration_estimator") or "-")),
         ("data quality", _quality_row(stats)),

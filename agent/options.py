@@ -122,6 +122,11 @@ class AttachOptions:
     health_check: bool = _option(
         False, "--health-check",
         "check the GPUs first (as `perfmon-agent health`) and record it in session_info")
+    verbose: bool = _option(
+        False, "--verbose",
+        "also print the notes: what the job does not use (no CUDA on a CPU job, output to a "
+        "terminal, pipe or /dev/null) and losses within their harmless range; they are in "
+        "session_info.notes and data_quality.minor either way")
     raw_markers: bool = _option(
         False, "--raw-markers",
         "log every collective wait's entry and return (wait_enter/wait_exit markers), not "

@@ -138,6 +138,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         self.reason: str | None = None
         self.attached: dict[str, list[str]] = {}
         self.warnings: list[str] = []
+        self.notes: list[str] = []  # the libraries a CPU job does not load
         self.dropped = 0
         self._bpf: Any = None
         self._pids: list[int] = []
@@ -152,12 +153,13 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         loaded = [find_libraries(t) for t in self.targets]
         for found in loaded:
             t = found.target
+            # A rank that loaded none of them is a CPU job (a note); one that loaded some
+            # uses CUDA, and a figure of it goes uncounted (a warning).
+            told = self.warnings if found.paths else self.notes
             for lib in LIBRARIES:
                 if lib.name not in found.paths:
-                    self.warnings.append(
-                        f"pid {t.pid} ({t.name}): {lib.basename_prefix}* is not loaded: "
-                        f"{lib.measures} not counted"
-                    )
+                    told.append(f"pid {t.pid} ({t.name}): {lib.basename_prefix}* is not "
+                                f"loaded: {lib.measures} not counted")
         probed = [f for f in loaded if f.paths]
         if not probed:
             pids = ", ".join(str(t.pid) for t in self.targets)
@@ -413,7 +415,7 @@ class CudaSource(Source):
     def _start(self) -> None:
         self.probe.start()
         self.available, self.reason = self.probe.available, self.probe.reason
-        self.warnings = self.probe.warnings
+        self.warnings, self.notes = self.probe.warnings, self.probe.notes
 
     @property
     def attached(self) -> dict[str, list[str]]:

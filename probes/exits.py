@@ -69,6 +69,7 @@ from perfmon.parsers.proc_connector import (
 from perfmon.parsers.trace_pipe import oom_victim, parse_event_line
 from perfmon.probes.ftrace import GROUP_PREFIX, TraceInstance, remove_stale_probes, tracefs_root
 from perfmon.probes.job_files import (
+    NOT_A_FILE,
     OUTPUT_TAIL_BYTES,
     FileTail,
     JobFileError,
@@ -147,7 +148,8 @@ class ExitSource(Source):
     ``hook`` says where exit statuses come from: ``proc_connector`` or, when that
     could not be set up, ``unobserved`` (with a warning saying why); ``oom_watched``
     whether OOM kills are seen. ``warnings`` also names the outputs that will not be
-    read (not regular files, or not readable by the job's user).
+    read because the job's user may not read them, ``notes`` those that are no file
+    (a terminal, a pipe, /dev/null: where a job's output often goes).
     """
 
     name = "exits"
@@ -221,7 +223,8 @@ class ExitSource(Source):
             whose = [f"pid {pid} {' and '.join(streams)}" for pid, streams in pids.items()]
             shown = ", ".join(whose[:8]) + (f" and {len(whose) - 8} more" if len(whose) > 8
                                             else "")
-            self.warnings.append(f"not read for exit causes ({reason}): {shown}")
+            told = self.notes if reason.endswith(NOT_A_FILE) else self.warnings
+            told.append(f"not read for exit causes ({reason}): {shown}")
 
     def _open_connector(self) -> None:
         """Subscribe to the kernel's exit events and check that they come; a warning when not."""

@@ -43,6 +43,8 @@ from perfmon.probes.files import MAX_CONFIG_BYTES, file_kind
 JOB_FILE_TIMEOUT_S = 1.0
 # Of a job's stdout/stderr only the end is read: the lines before it exited.
 OUTPUT_TAIL_BYTES = 64 << 10
+# How an output that is no file ends its reason ("a FIFO, not a regular file").
+NOT_A_FILE = ", not a regular file"
 
 
 class JobFileError(PerfmonError):
@@ -255,7 +257,7 @@ def open_job_outputs(pid: int, fd_numbers: tuple[int, ...] = (1, 2),
         field, _, rest = line.partition(" ")
         kind, _, value = rest.partition(" ")
         if field.isdigit() and int(field) in fd_numbers and int(field) not in results:
-            results[int(field)] = (f"{file_kind(int(value))}, not a regular file"
+            results[int(field)] = (f"{file_kind(int(value))}{NOT_A_FILE}"
                                  if kind == "mode" and value.isdigit() else value[:200])
     for number in fd_numbers:
         if number not in results:

@@ -80,9 +80,10 @@ class Source(Sampler[Record]):
     ``name`` names it in ``data_quality``; ``available`` is False (with
     ``reason``) when ``start`` found nothing to measure (e.g. no CUDA library
     loaded) — a quiet source, not a failure; ``warnings`` lists degraded
-    features found at start. ``quality()`` returns cumulative counters of what
-    it saw and missed (names listed in perfmon.agent.reducers.quality.HINTS for
-    the losses), read at any time without blocking.
+    features found at start, ``notes`` what the job does not use (nothing to act
+    on). ``quality()`` returns cumulative counters of what it saw and missed
+    (names listed in perfmon.agent.reducers.quality.HINTS for the losses), read at
+    any time without blocking.
     """
 
     name = "source"
@@ -92,6 +93,7 @@ class Source(Sampler[Record]):
         self.available = True
         self.reason: str | None = None
         self.warnings: list[str] = []
+        self.notes: list[str] = []
 
     def quality(self) -> dict[str, Any]:
         return {}

@@ -6,6 +6,7 @@ from datetime import datetime
 
 import pytest
 from perfmon.agent.reducers import Summarizer
+from perfmon.agent.reducers.quality import DataQuality
 from perfmon.parsers.workload import Workload
 
 MS = 1_000_000
@@ -132,3 +133,17 @@ def test_a_burst_that_saw_only_backward_gives_its_window_no_phases():
         assert phases.window_ns(0, 100 * MS) == {"data_loading": 50 * MS, "forward": 0,
                                                  "backward": 50 * MS, "optimizer": 0,
                                                  "other": 0}
+
+
+def test_sampling_errors_within_5pct_of_the_samples_are_minor_and_beyond_a_loss():
+    quality = DataQuality()
+    quality.on_quality({"source": "pyspy", "counters": {"samples": 100, "sampling_errors": 5,
+                                                        "lost_windows": 0}})
+    quality.on_quality({"source": "uprobes", "counters": {"events": 10, "events_dropped": 1}})
+    summary = quality.summary()
+    assert [line.split(" (")[0] for line in summary["losses"]] == ["uprobes: events_dropped 1"]
+    assert [line.split(" (")[0] for line in summary["minor"]] == ["pyspy: sampling_errors 5"]
+    quality.on_quality({"source": "pyspy", "counters": {"samples": 100, "sampling_errors": 6}})
+    assert [line.split(" (")[0] for line in quality.summary()["losses"]] == [
+        "pyspy: sampling_errors 6", "uprobes: events_dropped 1"]
+    assert quality.summary()["minor"] == []

@@ -138,6 +138,37 @@ def test_report_of_a_real_session_renders_in_headless_chromium_without_errors(
 
 
 @needs_chromium
+def test_phases_sampled_in_bursts_show_the_whole_run_and_no_blank_chart(
+    steady_target, agent, out_dir, tmp_path: Path
+):
+    # The default CPU budget samples stacks in bursts, and a short log interval leaves
+    # most intervals without a sample (as `make demo`'s report does).
+    run = agent.run("attach", "--pid", str(steady_target.pid), "--duration", "12",
+                    "--log-interval", "3", "--output-dir", str(out_dir))
+    assert run.returncode == 0, run.stderr
+    stats = load_summary(out_dir)["final_statistics"]
+    assert stats["phases"] is not None and stats["phases_iterations"] >= 1, stats
+    (log,) = out_dir.glob("perf_events_*.msgpack")
+    page_path = tmp_path / "report.html"
+    done = _report(str(log), "-o", str(page_path))
+    assert done.returncode == 0, done.stderr
+    dom = _chromium(page_path, tmp_path / "profile", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    figure = _figures(dom.stdout)["plot-phases"]
+    # The whole run's breakdown, with the iterations it rests on ...
+    assert "whole run" in figure and f"{stats['phases_iterations']:,} it." in figure
+    assert f"({stats['phases_iterations']:,} iterations sampled)" in figure
+    # ... and every interval drawn: sampled as phases, the rest hatched "not sampled".
+    caption = re.search(r"each log interval on the right, (\d+) of (\d+) sampled", figure)
+    assert caption is not None, figure[-600:]
+    sampled, total = int(caption[1]), int(caption[2])
+    assert total == len(load_summary(out_dir)["iteration_logs"]) and total >= 5
+    if sampled < total:
+        assert "not sampled" in figure and "hatch" in figure.lower()
+    assert not _console_errors(dom.stderr), _console_errors(dom.stderr)
+
+
+@needs_chromium
 def test_the_console_check_sees_a_script_error(tmp_path: Path):
     # The check above is only worth something if Chromium's log shows script errors.
     page = tmp_path / "broken.html"

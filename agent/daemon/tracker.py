@@ -349,6 +349,7 @@ class JobTracker:
                  "folder": str(output_dir) if job.folder is not None else None})
         session = MonitorSession(options,
                                  warn=lambda line: self.log(f"job {job.shown}: {line}"),
+                                 note=lambda line: self.log(f"job {job.shown}: note: {line}"),
                                  context=context)
         job.runner = JobRunner(session, targets, now_s)
         job.runner.start()

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from perfmon.agent.argtypes import Command, pid, positive_float
-from perfmon.agent.console import Output, print_summary_table, progress_line, warn
+from perfmon.agent.console import Output, note, print_summary_table, progress_line, warn
 from perfmon.agent.measure.metrics import JobMetrics, Metrics, start_metrics
 from perfmon.agent.measure.observer import ObserverGroup, ProgressLines, SessionObserver
 from perfmon.agent.measure.session import MonitorSession, SessionContext
@@ -55,7 +55,7 @@ def attach_main(args: argparse.Namespace) -> int:
     observers: list[SessionObserver] = [ProgressLines(lambda e: out.print(progress_line(e)))]
     if metrics is not None:
         observers.append(_AttachMetrics(metrics))
-    session = MonitorSession(options, warn=warn,
+    session = MonitorSession(options, warn=warn, note=note,
                              context=SessionContext(observer=ObserverGroup(observers)))
     out.on_closed = lambda: session.stop("stdout_closed")
     out.print(f"Attaching to pid {args.pid}... Ctrl-C to end.")
@@ -64,8 +64,11 @@ def attach_main(args: argparse.Namespace) -> int:
         out.write(json_bytes(result.summary).decode())
     else:
         out.table(lambda: print_summary_table(out.console, result.summary, result.summary_path))
-    for loss in result.summary["final_statistics"]["data_quality"]["losses"]:
+    quality = result.summary["final_statistics"]["data_quality"]
+    for loss in quality["losses"]:
         warn(f"data quality: {loss}")
+    for loss in quality["minor"] if options.verbose else ():
+        note(f"data quality: {loss}")
     if result.write_error is not None:
         raise result.write_error
     return 0

@@ -145,9 +145,11 @@ class MonitorSession:
     """
 
     def __init__(self, options: AttachOptions, warn: Callable[[str], None] = lambda _line: None,
-                 context: SessionContext | None = None) -> None:
+                 context: SessionContext | None = None,
+                 note: Callable[[str], None] = lambda _line: None) -> None:
         self.options = options
         self.warn = warn
+        self.note = note  # (called with --verbose only)
         self.context = context or SessionContext()
         self._measured = 0  # step times handed to the observer
         # The latest iteration's end (CLOCK_MONOTONIC ns), read by the node service
@@ -156,6 +158,7 @@ class MonitorSession:
         self._stop_reason: str | None = None
         self._failing: dict[str, bool] = {}  # file -> its last write failed
         self.warnings: list[str] = []
+        self.notes: list[str] = []  # what the job does not use: nothing to act on
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._stop_reason = signal.Signals(signum).name
@@ -163,6 +166,11 @@ class MonitorSession:
     def _warning(self, text: str) -> None:
         self.warnings.append(text)
         self.warn(text)
+
+    def _note(self, text: str) -> None:
+        self.notes.append(text)
+        if self.options.verbose:
+            self.note(text)
 
     def stop(self, reason: str) -> None:
         """End the session at the next poll (e.g. the output stream was closed)."""
@@ -213,11 +221,11 @@ class MonitorSession:
                                                    can_probe)
             stacks = open_stack_source(opts, primary, probe is None, stack, self._warning)
             cuda, cuda_info = (open_cuda_source(targets, opts.cuda_launches, stack,
-                                                self._warning) if probe
+                                                self._warning, self._note) if probe
                                else (None, {"available": False,
                                             "reason": "no uprobes (py-spy mode)"}))
             memory = started(stack, MemorySource(pids, opts.memory_interval_s), self._warning)
-            exits = open_exit_source(targets, stack, self._warning)
+            exits = open_exit_source(targets, stack, self._warning, self._note)
             sources = [s for s in (probe, stacks, cuda, memory, gpu, exits) if s is not None]
             # Within the CPU budget, stacks are sampled in bursts; iterations from
             # samples (py-spy mode) need them continuously.
@@ -276,6 +284,7 @@ class MonitorSession:
             "log_interval": opts.log_interval,
             **{k: v for k, v in facts_extra.items() if v is not None},
             "warnings": self.warnings,
+            "notes": self.notes,
             "workload": workload.__dict__,
             "iteration_logs_max_entries": opts.max_log_entries,
             "step_rows": True,  # iteration ends logged as rows (steps records)

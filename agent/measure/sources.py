@@ -137,9 +137,11 @@ def open_stack_source(options: AttachOptions, primary: TargetProcess, iterations
 
 
 def open_cuda_source(targets: list[TargetProcess], launches: str, stack: ExitStack,
-                     warn: Callable[[str], None]) -> tuple[CudaSource | None, dict[str, object]]:
+                     warn: Callable[[str], None], note: Callable[[str], None],
+                     ) -> tuple[CudaSource | None, dict[str, object]]:
     """CUDA/NCCL counters for jobs that loaded libcudart, libcuda or libnccl
-    (``launches``: sampled, always or off; see perfmon.probes.cuda.CudaSource)."""
+    (``launches``: sampled, always or off; see perfmon.probes.cuda.CudaSource); the
+    libraries a CPU job does not load are notes, not warnings."""
     source = CudaSource(targets, launches)
     try:
         started(stack, source, warn)
@@ -148,15 +150,19 @@ def open_cuda_source(targets: list[TargetProcess], launches: str, stack: ExitSta
         return None, {"available": False, "reason": str(err)}
     for text in source.warnings:
         warn(text)
+    for text in source.notes:
+        note(text)
     if not source.available:
         return None, {"available": False, "reason": source.reason}
     return source, {"available": True, "attached": source.attached, "launches": launches}
 
 
 def open_exit_source(targets: list[TargetProcess], stack: ExitStack,
-                     warn: Callable[[str], None]) -> ExitSource | None:
+                     warn: Callable[[str], None], note: Callable[[str], None],
+                     ) -> ExitSource | None:
     """How each rank ends (exit status from the kernel, OOM kills, last lines); without
-    its kernel hooks it still records each end, with what can be known (a warning)."""
+    its kernel hooks it still records each end, with what can be known (a warning).
+    Outputs that are no file (a terminal, a pipe, /dev/null) are notes."""
     source = ExitSource(targets)
     try:
         started(stack, source, warn)
@@ -165,4 +171,6 @@ def open_exit_source(targets: list[TargetProcess], stack: ExitStack,
         return None
     for text in source.warnings:
         warn(text)
+    for text in source.notes:
+        note(text)
     return source

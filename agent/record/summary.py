@@ -68,6 +68,7 @@ class SessionInfo(TypedDict, total=False):
     iteration_logs_kept_one_in: int | None
     log_interval: int | None
     warnings: list[Any] | None
+    notes: list[Any] | None
     model: dict[str, Any] | None
     workload: dict[str, Any] | None
     gpu: dict[str, Any] | None
@@ -107,6 +108,7 @@ class FinalStatistics(TypedDict, total=False):
     gpu_events: list[Any] | None
     phases: dict[str, Any] | None
     phases_source: Literal["uprobe", "pyspy", "uprobe+pyspy"] | None
+    phases_iterations: int | None
     hangs: list[Any] | None
     kernels_per_iter: float | None
     cpu_sync_wait_ms: float | None

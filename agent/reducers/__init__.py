@@ -314,6 +314,8 @@ class Summarizer:
             **resources,
             "phases": PhaseAccount.breakdown(self.phases.total_ns, self.phases.total_iterations),
             "phases_source": self.phases.source,
+            # (the iterations the breakdown rests on: with bursts, those sampled)
+            "phases_iterations": self.phases.total_iterations if self.phases.source else None,
             **(self.cuda.summary() if self.cuda is not None else {}),
             "hangs": self.hangs.hangs,
             "stragglers": self.ranks.stragglers(),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import html
 import io
-import math
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from perfmon.agent.console import printable
 from perfmon.agent.reducers.phases import PHASES
-from perfmon.agent.views.series import Run
+from perfmon.agent.views.series import Run, phase_figures
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -180,51 +179,59 @@ def plot_step_time(run: Run, plot_id: str) -> Plot:
 
 
 def plot_phases(run: Run, plot_id: str) -> Plot:
-    import numpy as np
-
+    """Where the time goes: the whole run's breakdown (every sampled burst, with the
+    iterations it rests on) beside a bar per log interval; an interval no burst covered
+    is drawn hatched, "not sampled", never as an empty stretch that reads as zero."""
     fig = _figure(2.8)
-    ax = fig.add_subplot()
+    whole_ax, ax = fig.subplots(1, 2, width_ratios=(1, 12))
     axis = _axis(run)
-    xs: list[float] = []
-    tops: dict[str, list[float]] = {p: [] for p in PHASES}
-    previous_end: int | None = None
-    covered = 0
+    whole = phase_figures(run.stats.get("phases"))
+    rests_on = _int(run.stats.get("phases_iterations"))
+    if whole:
+        bottom = 0.0
+        for p in PHASES:
+            share = (whole.get(p, (None, None))[1] or 0.0) * 100
+            whole_ax.bar([0], [share], bottom=bottom, color=PHASE_COLORS[p], width=0.7)
+            bottom += share
+        whole_ax.set_ylim(0, 100)
+        whole_ax.set_ylabel("share of step time (%)")
+    else:
+        _no_data(whole_ax, "none")
+    whole_ax.set_xticks([0], ["whole run" + (f"\n{rests_on:,} it." if rests_on else "")],
+                        fontsize=7)
+    sampled = unsampled = 0
     for point in run.series.points:
+        x0, width = axis.x(point.start_ns), axis.x(point.end_ns) - axis.x(point.start_ns)
         shares = point.phase_shares()
         if shares is None:
-            previous_end = None
+            unsampled += 1
+            ax.bar([x0], [100], width=width, align="edge", color="#f1f3f5",
+                   edgecolor="#adb5bd", hatch="///", lw=0,
+                   label="not sampled" if unsampled == 1 else None)
             continue
-        covered += 1
-        if xs and previous_end is None:  # a gap: break the areas there
-            xs.append(math.nan)
-            for p in PHASES:
-                tops[p].append(math.nan)
-        cumulative = 0.0
+        sampled += 1
+        bottom = 0.0
         for p in PHASES:
-            cumulative += shares.get(p, 0.0) * 100
-            tops[p] += [cumulative, cumulative]
-        xs += [axis.x(point.start_ns), axis.x(point.end_ns)]
-        previous_end = point.end_ns
-    if covered:
-        x = np.array(xs)
-        lower = np.where(np.isnan(x), np.nan, 0.0)
-        for p in PHASES:
-            upper = np.array(tops[p])
-            ax.fill_between(x, lower, upper, color=PHASE_COLORS[p], lw=0, label=p)
-            lower = upper
+            share = shares.get(p, 0.0) * 100
+            ax.bar([x0], [share], width=width, bottom=bottom, align="edge",
+                   color=PHASE_COLORS[p], lw=0, label=p if sampled == 1 else None)
+            bottom += share
+    if sampled or unsampled:
         ax.set_ylim(0, 100)
-        ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7, ncols=len(PHASES),
+        ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7, ncols=len(PHASES) + 1,
                   frameon=False)
     else:
-        _no_data(ax, "no stack samples covered a log interval (stack sampling off, or too "
-                     "short a run)")
+        _no_data(ax, "no log interval yet")
     axis.apply(ax)
-    ax.set_ylabel("share of step time (%)")
-    total = len(run.series.points)
+    ax.set_yticks([])
+    total = sampled + unsampled
     return Plot(plot_id, "Phases",
-                f"Where each interval's time went ({run.stats.get('phases_source') or 'no source'}"
-                f"); {covered} of {total} points have phases: blank where no stack samples "
-                "covered the interval (py-spy samples in bursts within the CPU budget).", fig)
+                f"Where the time goes ({run.stats.get('phases_source') or 'no source'}): the "
+                f"whole run on the left, from every stack sample"
+                + (f" ({rests_on:,} iterations sampled)" if rests_on else "")
+                + f"; each log interval on the right, {sampled} of {total} sampled (py-spy "
+                "samples in bursts within the CPU budget; hatched: not sampled, not zero).",
+                fig)
 
 
 def plot_memory(run: Run, plot_id: str) -> Plot:

@@ -133,9 +133,11 @@ def phase_bar(phases: dict[str, Any] | None, width: int = PHASE_BAR_WIDTH) -> Te
 
 
 def _latest_phases(job: RecordedRun) -> dict[str, Any] | None:
-    for entry in reversed(job.summary.get("iteration_logs") or []):
-        if isinstance(entry, dict) and isinstance(entry.get("phases"), dict):
-            return entry["phases"]
+    """The newest interval's phases when it has them (continuous sampling), else the
+    whole run's from every sampled burst: an older interval's would be minutes stale."""
+    logs = job.summary.get("iteration_logs") or []
+    if logs and isinstance(logs[-1], dict) and isinstance(logs[-1].get("phases"), dict):
+        return logs[-1]["phases"]
     phases = job.stats.get("phases")
     return phases if isinstance(phases, dict) else None
 
