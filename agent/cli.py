@@ -16,14 +16,14 @@ from perfmon.agent.console import PROG, printable, quiet_broken_pipe
 from perfmon.agent.daemon import run, serve
 from perfmon.agent.measure import attach
 from perfmon.agent.record import summarize
-from perfmon.agent.tools import flops, health, stacks
+from perfmon.agent.tools import doctor, flops, health, stacks
 from perfmon.agent.views import incidents, merge, report, top, trace
 from perfmon.parsers.errors import PerfmonError
 
 COMMANDS: tuple[Command, ...] = (
     attach.COMMAND, summarize.COMMAND, flops.COMMAND, health.COMMAND, serve.COMMAND,
     run.COMMAND, report.COMMAND, trace.COMMAND, merge.COMMAND, top.COMMAND, stacks.COMMAND,
-    incidents.COMMAND)
+    incidents.COMMAND, doctor.COMMAND)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,10 +19,13 @@ from perfmon.agent.argtypes import Command
 from perfmon.agent.daemon.config import DEFAULT_CONFIG_PATH, ServiceConfig, load_config
 from perfmon.agent.daemon.notify import Notifier
 from perfmon.agent.daemon.tracker import JobTracker, agent_figures, log
+from perfmon.agent.measure.exposition import CapabilityGauge
 from perfmon.agent.measure.heap import limit_malloc_arenas
 from perfmon.agent.measure.metrics import start_metrics
 from perfmon.agent.options import DEFAULT_METRICS_ADDRESS, options_from_config
 from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.host_facts import capability_values
+from perfmon.probes.capabilities import host_checks
 
 STOP_TIMEOUT_S = 9.0  # systemd's TimeoutStopSec is 15 s; the bound is 10 s
 SLICE_S = 0.25  # the loop wakes this often to see signals and the watchdog
@@ -78,7 +81,14 @@ def serve_main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, flags.on_stop)
     signal.signal(signal.SIGINT, flags.on_stop)
     signal.signal(signal.SIGHUP, flags.on_reload)
+    checks = host_checks()  # before any thread: some checks fork (docs/doctor.md)
+    for check in checks:
+        if not check.works:
+            log(f"capability {check.name} {check.status}: {check.detail}; falls back to "
+                f"{check.fallback}")
     metrics = start_metrics(address, log, host)
+    if metrics is not None:
+        metrics.registry.register(CapabilityGauge(metrics.host, capability_values(checks)))
     notifier = Notifier()
     try:
         tracker = JobTracker(options=options_from_config(config.attach, jobs_root), config=config,

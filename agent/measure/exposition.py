@@ -10,6 +10,7 @@ job, ``reason``/``type``/``source``/``counter``/``kind`` from fixed sets.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from perfmon.agent.reducers.phases import PHASES
@@ -19,6 +20,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 # Step-time histogram bounds (s): 1 ms .. 1000 s, 4 per decade, 3 significant digits
@@ -273,3 +275,25 @@ def _agent_families(host: str, agent: tuple[float, int, int] | None) -> list[Met
         resident.add_metric([host], float(rss))
         jobs_gauge.add_metric([host], float(n_jobs))
     return [cpu, resident, jobs_gauge]
+
+
+class CapabilityGauge(Collector):
+    """``perfmon_capability{host, check}``: the host checks ``serve`` ran at start
+    (perfmon.probes.capabilities, as ``doctor`` shows them), 1 where the check works or
+    is not needed on the node, 0 where the agent is degraded by it. ``check`` takes the
+    checks' fixed names (HOST_CHECK_NAMES): one series per check."""
+
+    def __init__(self, host: str, works: Mapping[str, bool]) -> None:
+        self.host, self.works = host, dict(works)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            "perfmon_capability", "1 when the agent's host check works (or is not needed "
+            "on this node), 0 when the agent is degraded by it; run when the service started "
+            "(docs/doctor.md).", labels=["host", "check"])
+        for name, works in sorted(self.works.items()):
+            gauge.add_metric([self.host, name], 1.0 if works else 0.0)
+        return iter([gauge])
