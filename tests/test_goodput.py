@@ -43,10 +43,10 @@ class Stream:
         self.goodput.on_iteration(self.t, step, self.failslow.baseline)
 
     def ledger(self, end_ns: int | None = None, stragglers: list | None = None,
-               hung: bool = False) -> dict:
+               hung: bool = False, first_job_iteration: int | None = None) -> dict:
         self.failslow.resolve([], True)
         return self.goodput.summary(end_ns or self.t, self.failslow.summary(),
-                                    stragglers or [], hung)
+                                    stragglers or [], hung, first_job_iteration)
 
 
 def _adds_up(ledger: dict) -> None:
@@ -126,8 +126,7 @@ def test_a_restart_counts_the_gap_the_new_start_up_and_the_iterations_redone():
     second = Stream(attach_ns=start + S, process_start_ns=start, previous=before)
     second.first(start + 7 * S)
     second.steps(60, 100)
-    second.goodput.first_job_iteration = 601
-    ledger = second.ledger()
+    ledger = second.ledger(first_job_iteration=601)
     _adds_up(ledger)
     job = ledger["job"]
     _adds_up(job)

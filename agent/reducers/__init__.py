@@ -280,10 +280,10 @@ class Summarizer:
 
     def _goodput(self) -> dict[str, Any]:
         offset = self.clock.job.offset
-        self.goodput.first_job_iteration = 1 + offset if offset is not None else None
         ledger = self.goodput.summary(self.end_t_mono_ns or self._latest_ns,
                                       self.failslow.summary(), self.ranks.stragglers(),
-                                      self.hangs.hung)
+                                      self.hangs.hung,
+                                      1 + offset if offset is not None else None)
         # (the job's own number of its last iteration: a next session, after a restart,
         # counts the iterations redone from it)
         ledger["last_job_iteration"] = (self.clock.iterations_ended + offset

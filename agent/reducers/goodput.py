@@ -98,7 +98,6 @@ class Goodput:
         self.first_end_ns: int | None = None
         self.last_end_ns: int | None = None
         self.healthy_ns: float | None = None  # the latest healthy step seen
-        self.first_job_iteration: int | None = None
         self._width_ns = 1_000_000_000
         self._bins: dict[int, _Bin] = {}
         self._hang_from_ns: int | None = None  # an open hang's last iteration
@@ -163,14 +162,16 @@ class Goodput:
     # -- the ledger --------------------------------------------------------------------------
 
     def summary(self, end_ns: int, fail_slow: list[dict[str, Any]],
-                stragglers: Iterable[dict[str, Any]], hung: bool) -> dict[str, Any]:
+                stragglers: Iterable[dict[str, Any]], hung: bool,
+                first_job_iteration: int | None = None) -> dict[str, Any]:
         """final_statistics.goodput at ``end_ns``: the session's ledger, and with earlier
-        sessions of the job (``previous``), the job's as ``job``."""
+        sessions of the job (``previous``), the job's as ``job`` (``first_job_iteration``:
+        the job's own number of this session's first iteration, to count those redone)."""
         ledger, window_start = self._session(end_ns, fail_slow, list(stragglers), hung)
         out = {**ledger.to_dict(), "from": "process_start" if window_start != self.attach_ns
                else "attach", "last_end_mono_ns": self.last_end_ns}
         if self.previous is not None:
-            out["job"] = self._job(ledger, window_start).to_dict()
+            out["job"] = self._job(ledger, window_start, first_job_iteration).to_dict()
         return out
 
     def _session(self, end_ns: int, fail_slow: list[dict[str, Any]],
@@ -226,7 +227,7 @@ class Goodput:
             return self.attach_ns - self.process_start_ns < NEVER_ITERATED_FROM_START_S * 1e9
         return self.first_end_ns - self.attach_ns > FROM_START_STEPS * healthy > 0
 
-    def _job(self, session: Ledger, window_start: int) -> Ledger:
+    def _job(self, session: Ledger, window_start: int, first: int | None) -> Ledger:
         """The job's ledger: its earlier sessions', then the restart (from the previous
         session's end to this one's first iteration, and the iterations redone), then
         this session's."""
@@ -246,7 +247,7 @@ class Goodput:
             tail_s = min((end_ns - last_end) / 1e9, job.lost_s["unexplained"])
             job.lost_s["unexplained"] -= tail_s
             here.lost_s["restart"] += tail_s
-        last, first = self.previous.get("last_job_iteration"), self.first_job_iteration
+        last = self.previous.get("last_job_iteration")
         if isinstance(last, int) and first is not None and first <= last and self.healthy_ns:
             redone_s = min(here.productive_s, (last - first + 1) * self.healthy_ns / 1e9)
             here.productive_s -= redone_s
