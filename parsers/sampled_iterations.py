@@ -18,8 +18,11 @@ iterations. What every iteration is sure to show, in order of preference:
    from the counter or from the spacing of the optimizer steps that were seen.
    When the samples missed a backward run, the forward runs still show its
    iteration (M forward runs each): its end is restored at the start of its
-   successor's first forward. A pause (a checkpoint) shows no forward runs and
-   adds no iterations.
+   successor's first forward. A run too long for one micro-batch, or broken by a
+   forward seen only briefly, holds more than one (see _split_long_run and
+   _end_backward_run: each only where the sampler's own gaps can explain it, not
+   a slow iteration's). A pause (a checkpoint) shows no forward runs and adds no
+   iterations.
 3. ``optimizer_frame``: entries into torch.optim Optimizer.step (or the
    ``--iteration-function`` pattern: ``function``), when the loop shows no
    backward at all.
@@ -32,6 +35,7 @@ period; the mean over many steps telescopes (see IterationDetector).
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -44,6 +48,14 @@ from perfmon.parsers.stack_analysis import IterationDetector, classify_phase
 CONFIRM_NS = 10_000_000
 MEDIAN_OF = 51  # recent backward runs whose median lengths judge a long one
 MIN_RUNS = 4  # ... and at least this many (a merged run is lost in the first seconds too)
+# The longest time the samples can miss in full (py-spy descheduled on a busy host): a
+# backward run longer than this is never missed whole, and runs farther apart than this
+# never merge. (On a busy 2-core host py-spy saw 50 ms forwards for only 2-7 ms now and
+# then, and once stalled for 128 ms; steps of 140 and 300 ms slowed 1.5-2x now and then,
+# with 44 and 118 ms between backward runs. Below ~55 ms merged runs went unsplit; above
+# ~90, slow iterations were split.)
+MAX_UNSEEN_NS = 80_000_000
+PERIOD_NS = 10_000_000  # py-spy's sampling period (100 Hz)
 # Without a usable counter read for this long, held ends are passed on anyway.
 MAX_HOLD_NS = 15_000_000_000
 
@@ -87,13 +99,16 @@ class SampledIterationClock:
         self._next_phase: str | None = None  # another phase seen once, since...
         self._next_since = 0  # ... this sample
         self._outside_since: int | None = None  # first sample outside the current run
+        self._excursion: str | None = None  # a phase of a transition seen since (see blips)
+        self._blips: list[tuple[int, int, bool]] = []  # (outside since, back at, optimizer)
         self._optimizer_since_backward = False  # an optimizer sample since backward began
         self._runs: deque[int] = deque(maxlen=MEDIAN_OF)  # recent backward run lengths
-        self._cycles: deque[int] = deque(maxlen=MEDIAN_OF)  # recent gaps between their ends
+        self._outsides: deque[int] = deque(maxlen=MEDIAN_OF)  # ... and the time before each
         self._after_backward = False  # a backward run ended; the next has not begun
         self._forward_starts: deque[int] = deque(maxlen=4096)
         self._candidates: list[_Candidate] = []  # backward ends not yet checked
         self._checked: list[_Candidate] = []  # checked, not yet grouped
+        self._last_checked_ns: int | None = None  # the latest checked (grouped or not)
         self._optimizer_ends: list[int] = []  # optimizer-frame (or function) entries
         self._in_group = 0  # backward runs of the current iteration so far
         self._held: list[tuple[int, str]] = []  # ends not yet passed on
@@ -131,10 +146,17 @@ class SampledIterationClock:
             if phase == "optimizer":
                 self._optimizer_since_backward = True
             if phase == self._run_phase:
+                if phase == "backward" and self._outside_since is not None and self._excursion:
+                    self._blips.append((self._outside_since, s.t_mono_ns,
+                                        self._excursion == "optimizer"))
                 self._outside_since = self._next_phase = None
+                self._excursion = None
             else:
                 if self._outside_since is None:
                     self._outside_since = s.t_mono_ns
+                if phase in ("forward", "data_loading", "optimizer") and (
+                        self._excursion != "optimizer"):
+                    self._excursion = phase
                 if phase != self._next_phase:
                     self._next_phase, self._next_since = phase, s.t_mono_ns
                 if s.t_mono_ns + s.duration_ns - self._next_since >= CONFIRM_NS:
@@ -146,8 +168,7 @@ class SampledIterationClock:
     def _change_run(self, phase: str) -> None:
         assert self._outside_since is not None and self._next_since is not None
         if self._run_phase == "backward":
-            self._candidates.append(_Candidate(self._outside_since,
-                                               self._outside_since - self._run_since))
+            self._end_backward_run(self._outside_since)
             self._after_backward = True
             # (an optimizer sample that came before the run changed marks it too)
             self._candidates[-1].optimizer_after = self._optimizer_since_backward
@@ -158,7 +179,28 @@ class SampledIterationClock:
             self._forward_starts.append(self._next_since)
             self._after_backward = False
         self._run_phase, self._run_since = phase, self._next_since
-        self._outside_since = self._next_phase = None
+        self._outside_since = self._next_phase = self._excursion = None
+
+    def _end_backward_run(self, end: int) -> None:
+        """A candidate end for the backward run ending at ``end``; and one at each blip
+        between two stretches of it that are each at least half the usual run.
+
+        A blip is forward, data loading or optimizer seen too briefly to confirm
+        (CONFIRM_NS) between samples of backward: on a busy host py-spy reports the
+        backward stack late, past the true end, and then catches the forward's last
+        few milliseconds only (a 50 ms forward seen for 2 to 7 ms, merging two runs).
+        A flicker at a run's start or end leaves a stretch far shorter than a run.
+        """
+        start = self._run_since
+        if len(self._runs) >= MIN_RUNS:
+            half = statistics.median(self._runs) / 2
+            for blip, resumed, optimizer in self._blips:
+                if blip - start >= half and end - resumed >= half:
+                    self._candidates.append(_Candidate(blip, blip - start, optimizer))
+                    self._forward_starts.append(blip)
+                    start = resumed
+        self._blips = []
+        self._candidates.append(_Candidate(end, end - start))
 
     def read(self, read: CounterRead) -> None:
         self._reads.append(read)
@@ -206,41 +248,65 @@ class SampledIterationClock:
 
         Between two micro-batches' backward ends lies one forward run; more than
         one means the samples missed whole backward runs, whose ends are restored
-        at the starts of the forward runs after the first. (Fewer proves nothing:
-        a 50 ms forward goes unsampled now and then.) And a backward run lasting
-        about as long as k micro-batches (k >= 2, rounded from its length against
-        the usual run and cycle) is k runs whose forward, optimizer and data
-        loading in between went unsampled.
+        at the starts of the forward runs after the first, where backward runs are
+        short enough to be missed (no longer than MAX_UNSEEN_NS: elsewhere a second
+        forward start is the samples' flicker, as around a data loader's
+        fetch). (Fewer proves nothing: a 50 ms forward goes unsampled now and then.)
+        And a backward run lasting about as long as k micro-batches (k >= 2, rounded
+        from its length against the usual run and time between runs) is k runs whose
+        forward, optimizer and data loading in between went unsampled.
         """
         while len(self._candidates) >= (1 if final else 2):
             first = self._candidates.pop(0)
-            self._checked += self._split_long_run(first)
-            if not self._candidates:
-                break
+            after = (self._candidates[0].t_mono_ns - self._candidates[0].run_ns
+                     - first.t_mono_ns if self._candidates else None)
+            self._checked += self._split_long_run(first, after)
+            self._last_checked_ns = first.t_mono_ns
+            if not self._candidates or (
+                    self._runs and statistics.median(self._runs) > MAX_UNSEEN_NS):
+                continue
             nxt = self._candidates[0].t_mono_ns
             starts = [f for f in self._forward_starts if first.t_mono_ns <= f < nxt]
             self._checked += [_Candidate(f) for f in starts[1:]]
+            self._last_checked_ns = max([first.t_mono_ns, *starts[1:]])
 
-    def _split_long_run(self, candidate: _Candidate) -> list[_Candidate]:
-        previous = self._checked[-1].t_mono_ns if self._checked else None
-        pieces = [candidate]
-        if len(self._runs) >= MIN_RUNS and self._cycles:
-            run, cycle = statistics.median(self._runs), statistics.median(self._cycles)
-            # A run holding k micro-batches lasts about run + (k - 1) x cycle: k is
-            # rounded from the length, so one over run + cycle / 2 holds two or more.
-            # (A fixed "twice the usual" missed merged runs of 166 ms against a usual
-            # 85 at 120 ms cycles; a lower bound splits single runs a busy machine
-            # slowed, counting iterations twice.)
-            k = round((candidate.run_ns + cycle - run) / cycle) if cycle > run else 1
-            if k >= 2:
-                start = candidate.t_mono_ns - candidate.run_ns
+    def _split_long_run(self, candidate: _Candidate, after: int | None) -> list[_Candidate]:
+        """``after``: the time outside backward from this run to the next (None: not yet
+        known)."""
+        start = candidate.t_mono_ns - candidate.run_ns
+        # Outside backward since the last end: forward, and optimizer and data loading.
+        # (Not _checked[-1]: grouping empties it, and a run judged with nothing before
+        # it is never split.)
+        before = start - self._last_checked_ns if self._last_checked_ns is not None else None
+        if before is not None and len(self._runs) >= MIN_RUNS and self._outsides:
+            run, outside = statistics.median(self._runs), statistics.median(self._outsides)
+            # A run holding k micro-batches lasts about k x run + (k - 1) x outside (the
+            # phases between them went unsampled): k is rounded from the length. (A
+            # fixed "twice the usual" missed merged runs of 166 ms against a usual 85 at
+            # 120 ms cycles.) But only the sampler's own gaps merge runs, so:
+            # - an iteration that is only slow (a busy host, a longer batch) is slow
+            #   outside backward too: the run is judged at the pace of the time before
+            #   it (each edge of which is known to a sampling period). On a busy 2-core
+            #   host 140 ms steps took 250 now and then, forward and backward alike:
+            #   runs of 136-171 ms against a usual 74, 68-73 ms before them against 43;
+            # - not where the time between runs is longer than the sampler can miss:
+            #   there a long run is a slow iteration (300 ms steps took 600, backward
+            #   400 ms against a usual 205, 127 ms before it against 118);
+            # - nor where the time outside backward after the run is short: a gap at
+            #   the run's end hid part of it (a gap that merges runs hides the time
+            #   between them, not that after them). py-spy stalled for 128 ms just after
+            #   a window took over: a run of 193 ms against a usual 106, then 10 ms
+            #   outside against a usual 48.
+            pace = max(1.0, (before - PERIOD_NS) / outside) if outside > 0 else math.inf
+            k = round((candidate.run_ns / pace + outside) / (run + outside))
+            if k >= 2 and outside <= MAX_UNSEEN_NS and (
+                    after is None or after >= outside / 2 - PERIOD_NS):
                 pieces = [_Candidate(start + (candidate.run_ns * j) // k) for j in range(1, k)]
-                pieces.append(candidate)
-                return pieces  # (not a usual run: left out of the medians)
+                return [*pieces, candidate]  # (not a usual run: left out of the medians)
+        if before is not None:
+            self._outsides.append(before)
         self._runs.append(candidate.run_ns)
-        if previous is not None:
-            self._cycles.append(candidate.t_mono_ns - previous)
-        return pieces
+        return [candidate]
 
     def _microbatches_from_optimizer(self, final: bool) -> int | None:
         """M from the spacing (in backward runs) of the optimizer steps the samples saw.

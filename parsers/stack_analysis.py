@@ -30,9 +30,14 @@ def _is_data_loading(f: Frame) -> bool:
 
 
 def _is_backward(f: Frame) -> bool:
-    # Tensor.backward, torch.autograd.backward/_engine_run_backward, and Python
+    # Tensor.backward, torch.autograd.backward/grad/_engine_run_backward, and Python
     # autograd Functions' backward (DeepSpeedEngine.backward, manual_backward too).
-    return "/torch/autograd/" in f.file or _base(f.function) in ("backward", "manual_backward")
+    # Not any frame of torch/autograd: a custom Function's forward runs under
+    # Function.apply (function.py), and record_function (profiler.py, around every
+    # optimizer step) and no_grad (grad_mode.py) wrap other phases.
+    base = _base(f.function)
+    return base in ("backward", "manual_backward") or (
+        "/torch/autograd/" in f.file and base in ("grad", "_engine_run_backward"))
 
 
 def _is_forward(f: Frame) -> bool:

@@ -65,6 +65,29 @@ def test_phase_rules_on_the_stacks_a_training_loop_shows():
     assert classify_phase(()) == "other"
 
 
+def test_frames_of_torch_autograd_that_wrap_other_phases_are_not_backward():
+    # As py-spy saw SGD's step on Python 3.13: record_function.__exit__ (autograd/
+    # profiler.py) on the stack for a few milliseconds of every optimizer step.
+    sgd = _stack(_torch("_single_tensor_sgd", "optim/sgd.py"), _torch("sgd", "optim/sgd.py"),
+                 _torch("graph_break", "_dynamo/decorators.py"),
+                 _torch("record_function.__exit__", "autograd/profiler.py"), STEP_WRAPPER)
+    assert classify_phase(sgd) == "optimizer"
+    # A custom autograd Function's forward (Megatron's tensor-parallel layers) runs
+    # under Function.apply; evaluation under no_grad.
+    apply = _stack(Frame("LinearWithGrad.forward", "/job/layers.py", 7),
+                   _torch("Function.apply", "autograd/function.py"),
+                   Frame("ColumnParallelLinear.forward", "/job/layers.py", 70), CALL)
+    assert classify_phase(apply) == "forward"
+    no_grad = _stack(Frame("GPT.forward", "/job/model.py", 5), CALL,
+                     _torch("_NoParamDecoratorContextManager.__call__.<locals>.decorate_context",
+                            "autograd/grad_mode.py"))
+    assert classify_phase(no_grad) == "forward"
+    # torch.autograd.grad (a gradient penalty) is backward.
+    penalty = _stack(_torch("_engine_run_backward", "autograd/graph.py"),
+                     _torch("grad", "autograd/__init__.py"))
+    assert classify_phase(penalty) == "backward"
+
+
 def test_phase_rules_for_nested_phases():
     # Activation checkpointing re-runs forward inside backward: that is backward time.
     recompute = _stack(Frame("Block.forward", "/job/train.py", 9), CALL,
