@@ -69,14 +69,23 @@ def test_full_disk_keeps_measuring_says_so_once_and_writes_everything_once_space
     target = steady_target
     out = small_fs / "out"
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out),
-                       "--log-interval", "5", "--duration", "18")
+                       "--log-interval", "5")
     wait_for(lambda: (s := _summary(out)) and s["session_info"]["total_iterations"] > 5,
              30, "the first summary")
+    # The log's last tmpfs page has room for what a slow day's job logs in a few
+    # seconds (one run wrote nothing past it in 8 s): keep the disk full until the
+    # log has had more than a page to write, at the rate it grows now.
+    (log,) = out.glob("perf_events_*")
+    size, started = log.stat().st_size, time.monotonic()
+    time.sleep(3)
+    rate = (log.stat().st_size - size) / (time.monotonic() - started)
     filler = fill(small_fs)
-    time.sleep(8)  # the summary is rewritten at most every 5 s: one try at least
+    time.sleep(min(60.0, max(8.0, 3 * 4096 / max(rate, 1.0))))  # (and a summary try)
     during = _summary(out)  # the last good summary stays in place, whole
     assert during is not None and during["session_info"]["end_time"] is None
     filler.unlink()
+    time.sleep(7)  # the summary is rewritten at most every 5 s
+    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
