@@ -261,14 +261,12 @@ class SampledIterationClock:
             after = (self._candidates[0].t_mono_ns - self._candidates[0].run_ns
                      - first.t_mono_ns if self._candidates else None)
             self._checked += self._split_long_run(first, after)
-            self._last_checked_ns = first.t_mono_ns
-            if not self._candidates or (
+            if self._candidates and not (
                     self._runs and statistics.median(self._runs) > MAX_UNSEEN_NS):
-                continue
-            nxt = self._candidates[0].t_mono_ns
-            starts = [f for f in self._forward_starts if first.t_mono_ns <= f < nxt]
-            self._checked += [_Candidate(f) for f in starts[1:]]
-            self._last_checked_ns = max([first.t_mono_ns, *starts[1:]])
+                nxt = self._candidates[0].t_mono_ns
+                starts = [f for f in self._forward_starts if first.t_mono_ns <= f < nxt]
+                self._checked += [_Candidate(f) for f in starts[1:]]
+            self._last_checked_ns = self._checked[-1].t_mono_ns
 
     def _split_long_run(self, candidate: _Candidate, after: int | None) -> list[_Candidate]:
         """``after``: the time outside backward from this run to the next (None: not yet

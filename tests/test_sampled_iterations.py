@@ -213,6 +213,22 @@ def test_a_slow_iteration_or_a_flicker_between_long_backward_runs_is_not_counted
     check(ends, truth, tolerance=0)
 
 
+def test_a_forward_seen_only_briefly_between_two_backward_runs_ends_the_first():
+    # py-spy on a busy host reports the backward stack past its end and catches only the
+    # last milliseconds of the next forward (a 90 ms forward seen for under 10 ms): too short
+    # to start a run, and too long a time between runs for a merged run to be split.
+    spans, truth, _ = timeline(150, loop=(("data_loading", 5), ("forward", 90),
+                                          ("backward", 100), ("optimizer", 1.5)))
+    forwards = [(a, b) for a, b, phase in spans if phase == "forward"]
+    late = [(forwards[i][0] - 5 * MS, forwards[i][1] - 6 * MS) for i in range(20, 150, 10)]
+    samples = sample(spans, hidden=late, flicker=0, rate_hz=250, periodic=True)
+    blips = [s for s in samples if s.frames == FRAMES["forward"] and s.duration_ns < 10 * MS
+             and any(b <= s.t_mono_ns < b + 6 * MS for _, b in late)]
+    assert len(blips) >= len(late) - 3  # (the rest lasted long enough to start a run)
+    _, ends = run_clock(samples)
+    check(ends, truth, tolerance=0)
+
+
 def test_a_pause_in_the_loop_adds_no_iterations():
     spans, truth, _ = timeline(100, pause_at=50, pause_ms=4000)
     _, ends = run_clock(sample(spans))
