@@ -37,9 +37,11 @@ def relabel(summary_dir: Path, into: Path, host: str, job_id: str) -> dict:
     return summary
 
 
-def _own_mean_step_ms(target) -> float:
-    """The target's mean step by its own clock, after its first two."""
-    times = [t for _, t in target.timestamps()][2:]
+def _own_mean_step_ms(target, summary: dict) -> float:
+    """The target's mean step by its own clock while its agent watched it."""
+    info = summary["session_info"]
+    times = [t for _, t in target.timestamps()
+             if info["attach_monotonic_ns"] <= t <= info["detach_monotonic_ns"]]
     return (times[-1] - times[0]) / (len(times) - 1) / 1e6
 
 
@@ -86,8 +88,8 @@ def test_two_nodes_merge_into_the_documented_job_summary(agent, start_target, tm
     assert slowest["excess_ms"] == pytest.approx(
         rows["node-b"]["avg_compute_ms"] - rows["node-a"]["avg_compute_ms"])
     # ~15 ms injected; on the 2-core VM the two jobs and their agents contend, so the
-    # truth is the difference of the jobs' own mean steps over the same time.
-    own_ms = [_own_mean_step_ms(t) for t in (fast, slow)]
+    # truth is the difference of the jobs' own mean steps while they were watched.
+    own_ms = [_own_mean_step_ms(t, s) for t, s in ((fast, a), (slow, b))]
     assert slowest["excess_ms"] >= 10
     assert slowest["excess_ms"] == pytest.approx(own_ms[1] - own_ms[0],
                                                  abs=max(3.0, 0.2 * (own_ms[1] - own_ms[0])))

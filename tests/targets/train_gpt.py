@@ -13,8 +13,10 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -91,7 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--after-train", choices=["exit", "sleep"], default="exit",
                    help="what to do after --train-iters: exit, or stay alive doing nothing")
     p.add_argument("--timestamps", help="append time.monotonic_ns() of each step here")
-    p.add_argument("--data-delay-ms", type=float, default=0.0)
+    p.add_argument("--data-delay-ms", type=float, default=0.0, help="sleep per sample loaded")
+    p.add_argument("--data-delay-factor", type=float, default=0.0,
+                   help="instead: loading a step's batches takes this many times the step's "
+                        "compute (the median of its last 9 steps), a slow loader on a host of "
+                        "any speed")
     p.add_argument("--stall-at", type=int, default=0, help="stall forever at this iteration")
     p.add_argument("--stall-for", type=float, default=0.0,
                    help="... or for this many seconds (a hang that resolves)")
@@ -267,6 +273,7 @@ def train(args: argparse.Namespace) -> None:
     iteration = int(checkpoint.read_text()) if checkpoint and checkpoint.exists() else 0
     started = last = time.monotonic()
     steps: list[float] = []  # step times before the slowdown: its reference
+    computes: deque[float] = deque(maxlen=9)  # a step's time less its loading
     while args.train_iters == 0 or iteration < args.train_iters:
         now = time.monotonic()
         if slowed(args, rank, iteration, now - started):
@@ -282,8 +289,11 @@ def train(args: argparse.Namespace) -> None:
         last = now
         if args.stall_at and iteration == args.stall_at:
             deliberately_stalled_collective(args.stall_for)
+        loading_s = 0.0
         for _ in range(args.grad_accum):
+            began = time.monotonic()
             tokens = next(batches).to(device, non_blocking=True)
+            loading_s += time.monotonic() - began
             logits = model(tokens[:, :-1])
             loss = nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
@@ -293,6 +303,10 @@ def train(args: argparse.Namespace) -> None:
             stamps.write(f"{iteration + 1} {time.monotonic_ns()}\n")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if args.data_delay_factor:
+            computes.append(time.monotonic() - now - loading_s)
+            loader.dataset.delay_s = (args.data_delay_factor * statistics.median(computes)
+                                      / (args.micro_batch_size * args.grad_accum))
         iteration += 1
         if checkpoint and args.checkpoint_every and iteration % args.checkpoint_every == 0 \
                 and rank == 0:
