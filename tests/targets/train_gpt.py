@@ -260,8 +260,8 @@ def train(args: argparse.Namespace) -> None:
         fully_shard(model)
     optimizer = (torch.optim.SGD(model.parameters(), lr=1e-3) if args.optimizer == "sgd"
                  else torch.optim.AdamW(model.parameters(), lr=3e-4))
-    loader = DataLoader(RandomTokens(args.vocab_size, args.seq_length, args.data_delay_ms),
-                        batch_size=args.micro_batch_size)
+    dataset = RandomTokens(args.vocab_size, args.seq_length, args.data_delay_ms)
+    loader = DataLoader(dataset, batch_size=args.micro_batch_size)
     batches = iter(loader)
     stamps = open(args.timestamps, "a", buffering=1) if args.timestamps else None
     print(f"pid {os.getpid()}: training", flush=True)
@@ -305,8 +305,8 @@ def train(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         if args.data_delay_factor:
             computes.append(time.monotonic() - now - loading_s)
-            loader.dataset.delay_s = (args.data_delay_factor * statistics.median(computes)
-                                      / (args.micro_batch_size * args.grad_accum))
+            dataset.delay_s = (args.data_delay_factor * statistics.median(computes)
+                               / (args.micro_batch_size * args.grad_accum))
         iteration += 1
         if checkpoint and args.checkpoint_every and iteration % args.checkpoint_every == 0 \
                 and rank == 0:
