@@ -32,6 +32,7 @@ from perfmon.agent.reducers import DEFAULT_MAX_LOG_ENTRIES
 from perfmon.parsers.peak_tflops import DTYPES
 from perfmon.probes.cuda import LAUNCH_MODES
 from perfmon.probes.pyspy import DEFAULT_RATE_HZ
+from perfmon.probes.stacks import COUNTING_RATE_HZ
 from perfmon.probes.uprobes import DEFAULT_RING_PAGES
 
 # Loopback only: the agent runs as root and its figures name jobs; exposing them to
@@ -176,9 +177,11 @@ class AttachOptions:
         "under 0.5%% of the step time (sampled), on every iteration (always: a ~11 us trap "
         "per launch), or not at all (off) (default: %(default)s)", choices=LAUNCH_MODES,
         config=True)
-    stack_rate_hz: int = _option(DEFAULT_RATE_HZ, "--stack-rate",
-                                 "py-spy samples a second (default: %(default)s)",
-                                 type=positive_int, metavar="HZ")
+    stack_rate_hz: int | None = _option(
+        None, "--stack-rate",
+        f"py-spy samples a second (default: {DEFAULT_RATE_HZ}, or {COUNTING_RATE_HZ} while "
+        "iterations are counted from stack samples without the job's own counter)",
+        type=positive_int, metavar="HZ")
     hang_factor: float = _option(10.0, "--hang-factor",
                                  "hung after K x the median step time without an iteration "
                                  "(default: %(default)s) ...", type=positive_float,

@@ -48,14 +48,19 @@ from perfmon.parsers.stack_analysis import IterationDetector, classify_phase
 CONFIRM_NS = 10_000_000
 MEDIAN_OF = 51  # recent backward runs whose median lengths judge a long one
 MIN_RUNS = 4  # ... and at least this many (a merged run is lost in the first seconds too)
-# The longest time the samples can miss in full (py-spy descheduled on a busy host): a
-# backward run longer than this is never missed whole, and runs farther apart than this
-# never merge. (On a busy 2-core host py-spy saw 50 ms forwards for only 2-7 ms now and
-# then, and once stalled for 128 ms; steps of 140 and 300 ms slowed 1.5-2x now and then,
-# with 44 and 118 ms between backward runs. Below ~55 ms merged runs went unsplit; above
-# ~90, slow iterations were split.)
-MAX_UNSEEN_NS = 80_000_000
-PERIOD_NS = 10_000_000  # py-spy's sampling period (100 Hz)
+# The longest stretch the samples can miss in full, in sampling periods. py-spy's
+# sampling times are Poisson (src/timer.rs), so a stretch of x periods holds fewer than
+# two samples (too few to confirm a run) with probability e^-x (1 + x): 0.3% at 8
+# periods, 80 ms at 100 Hz (counted without a counter, two backward runs merged in ~1.3%
+# of ~150 ms iterations whose forward took 60-80 ms; at 200 Hz in none of 913). A
+# backward run longer than this is never missed whole, and runs farther apart than
+# this never merge: there a long run is a slow iteration. (On a busy 2-core host at
+# 100 Hz py-spy saw 50 ms forwards for only 2-7 ms now and then, and once stalled for
+# 128 ms; steps of 140 and 300 ms slowed 1.5-2x now and then, with 44 and 118 ms
+# between backward runs. Below ~55 ms merged runs went unsplit; above ~90, slow
+# iterations were split.)
+MAX_UNSEEN_PERIODS = 8
+PERIOD_NS = 10_000_000  # py-spy's default sampling period (100 Hz)
 # Without a usable counter read for this long, held ends are passed on anyway.
 MAX_HOLD_NS = 15_000_000_000
 
@@ -87,7 +92,10 @@ class SampledIterationClock:
     """
 
     def __init__(self, function_regex: str | None = None, *,
-                 expect_counter: bool = True) -> None:
+                 expect_counter: bool = True, period_ns: int = PERIOD_NS) -> None:
+        # Between samples (the slack of the pace and edge rules); the caller updates it
+        # when the sampler's rate changes.
+        self.period_ns = period_ns
         self._function = IterationDetector(function_regex) if function_regex else None
         self._optimizer = IterationDetector()  # entries into Optimizer.step
         self.expect_counter = expect_counter
@@ -118,6 +126,11 @@ class SampledIterationClock:
         self._anchor: CounterRead | None = None  # the last clean read
         self._ends_total = 0  # ends produced (held + emitted), for counting against reads
         self._ready: list[tuple[int, str]] = []  # settled, for the next take()
+
+    @property
+    def unseen_ns(self) -> int:
+        """The longest stretch the samples can miss in full at this rate."""
+        return MAX_UNSEEN_PERIODS * self.period_ns
 
     @property
     def estimator(self) -> str:
@@ -249,7 +262,7 @@ class SampledIterationClock:
         Between two micro-batches' backward ends lies one forward run; more than
         one means the samples missed whole backward runs, whose ends are restored
         at the starts of the forward runs after the first, where backward runs are
-        short enough to be missed (no longer than MAX_UNSEEN_NS: elsewhere a second
+        short enough to be missed (no longer than unseen_ns: elsewhere a second
         forward start is the samples' flicker, as around a data loader's
         fetch). (Fewer proves nothing: a 50 ms forward goes unsampled now and then.)
         And a backward run lasting about as long as k micro-batches (k >= 2, rounded
@@ -262,7 +275,7 @@ class SampledIterationClock:
                      - first.t_mono_ns if self._candidates else None)
             self._checked += self._split_long_run(first, after)
             if self._candidates and not (
-                    self._runs and statistics.median(self._runs) > MAX_UNSEEN_NS):
+                    self._runs and statistics.median(self._runs) > self.unseen_ns):
                 nxt = self._candidates[0].t_mono_ns
                 starts = [f for f in self._forward_starts if first.t_mono_ns <= f < nxt]
                 self._checked += [_Candidate(f) for f in starts[1:]]
@@ -295,10 +308,10 @@ class SampledIterationClock:
             #   between them, not that after them). py-spy stalled for 128 ms just after
             #   a window took over: a run of 193 ms against a usual 106, then 10 ms
             #   outside against a usual 48.
-            pace = max(1.0, (before - PERIOD_NS) / outside) if outside > 0 else math.inf
+            pace = max(1.0, (before - self.period_ns) / outside) if outside > 0 else math.inf
             k = round((candidate.run_ns / pace + outside) / (run + outside))
-            if k >= 2 and outside <= MAX_UNSEEN_NS and (
-                    after is None or after >= outside / 2 - PERIOD_NS):
+            if k >= 2 and outside <= self.unseen_ns and (
+                    after is None or after >= outside / 2 - self.period_ns):
                 pieces = [_Candidate(start + (candidate.run_ns * j) // k) for j in range(1, k)]
                 return [*pieces, candidate]  # (not a usual run: left out of the medians)
         if before is not None:

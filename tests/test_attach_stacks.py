@@ -125,6 +125,9 @@ def test_pyspy_mode_counts_every_step_though_the_optimizer_step_is_too_short_to_
     estimators = stats["iteration_estimators"]
     assert (estimators.get("counter", 0) > 0) == counter, estimators
     assert counter or stats["iteration_estimator"] == "phase_transitions"
+    # Without the counter, py-spy samples at 200 Hz (a forward is then seldom unsampled);
+    # with it, at 100 Hz once the counter is found.
+    assert stats["data_quality"]["sources"]["pyspy"]["rate_hz"] == (100 if counter else 200)
     (events,) = out_dir.glob("perf_events_*.msgpack")
     ends = sorted(row["end_ns"] for row in eventlogs.step_rows(eventlogs.read_records(events)))
     stamps = [t for _, t in target.timestamps()]

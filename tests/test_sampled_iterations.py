@@ -89,9 +89,10 @@ def sample(spans, hidden=(), rate_hz: int = 100, seed: int = 1, flicker: float =
 
 
 def run_clock(samples, reads=(), *, expect_counter: bool = False, chunk_ns: int = 10**9,
-              function: str | None = None):
+              function: str | None = None, rate_hz: int = 100):
     """Feed samples in py-spy-window-sized chunks with the reads, as the monitor does."""
-    clock = SampledIterationClock(function, expect_counter=expect_counter)
+    clock = SampledIterationClock(function, expect_counter=expect_counter,
+                                  period_ns=10**9 // rate_hz)
     ends: list[tuple[int, str]] = []
     reads = sorted(reads, key=lambda r: r.t_mono_ns)
     start = samples[0].t_mono_ns
@@ -211,6 +212,32 @@ def test_a_slow_iteration_or_a_flicker_between_long_backward_runs_is_not_counted
         t += int(1.5 * MS)
     _, ends = run_clock(sample(spans, flicker=0))
     check(ends, truth, tolerance=0)
+
+
+def test_at_200_hz_a_slow_backward_is_one_iteration_where_100_hz_would_split_it():
+    # The SGD job of the py-spy benchmark on an oversubscribed 2-core host (~160 ms
+    # steps, forward ~70 ms): now and then an iteration whose backward alone takes
+    # 2.4x (its forward 1.4x), as long as two runs with the forward between them. At
+    # 100 Hz a 70 ms forward goes unsampled often enough (e^-7 (1 + 7) ~ 0.7%) that
+    # such a run is split; at 200 Hz (e^-14 (1 + 14) ~ 1e-5) it is one slow iteration.
+    rng = random.Random(11)
+    spans, truth, t = [], [], 10**9
+    for i in range(200):
+        slow = i % 17 == 9
+        loop = (("data_loading", 3), ("forward", rng.uniform(60, 80) * (1.4 if slow else 1)),
+                ("backward", rng.uniform(95, 115) * (2.4 if slow else 1)))
+        for phase, ms in loop:
+            spans.append((t, t + int(ms * MS), phase))
+            t += int(ms * MS)
+        truth.append(t)
+        spans.append((t, t + int(1.5 * MS), "optimizer"))
+        t += int(1.5 * MS)
+    samples = sample(spans, rate_hz=200, seed=5, flicker=0)
+    _, ends = run_clock(samples, rate_hz=200)
+    check(ends, truth, tolerance=0)
+    # (taken for 100 Hz samples, the same runs are split)
+    _, split = run_clock(samples, rate_hz=100)
+    assert len(split) >= len(ends) + 5
 
 
 def test_a_forward_seen_only_briefly_between_two_backward_runs_ends_the_first():
