@@ -221,9 +221,15 @@ class SampledIterationClock:
     def take(self, final: bool = False) -> list[tuple[int, str]]:
         """Iteration ends settled since the last call, in time order."""
         self._group(final)
-        while self._reads and (final or self._reads[0].end_mono_ns + CONFIRM_NS
-                               <= self.watermark_ns):
+        # A read is compared once the samples reach past it (the ends before it are
+        # then found). At the end, reads the samples never reached are dropped: the
+        # iterations just before them are not in the samples, and adding them among
+        # the ends that are would double some.
+        slack = 0 if final else CONFIRM_NS
+        while self._reads and self._reads[0].end_mono_ns + slack <= self.watermark_ns:
             self._settle(self._reads.pop(0))
+        if final:
+            self._reads = []
         if final or not self.expect_counter:
             self._emit_until(None)
         elif self._held and self._held[-1][0] - self._held[0][0] > MAX_HOLD_NS:

@@ -114,6 +114,12 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Watc
         for name, (proc, out, target, first_ns) in runs.items():
             _, stderr = proc.communicate(timeout=WATCH_S + 120)
             assert proc.returncode == 0, stderr
+            # The jobs train until killed: one that ended while watched ends the scenario
+            # early, and its own last words say why (what the events alone cannot).
+            if target.proc.poll() is not None:
+                log = (out.parent / "job.log").read_text(errors="replace")[-2000:]
+                pytest.fail(f"the {name} job exited while watched (status "
+                            f"{target.proc.returncode}): {log}\nagent: {stderr[-1000:]}")
             results[name] = Watched(load_summary(out), stderr, target, first_ns)
         yield results
     finally:

@@ -273,6 +273,19 @@ def test_the_counter_restores_iterations_the_samples_did_not_see_at_all(incremen
     assert hows.count("counter") > len(hows) * 0.8
 
 
+def test_a_read_past_the_last_samples_adds_no_end_at_the_session_end():
+    # The session ends just after a read of the counter, before the samples (a window
+    # late) reach it: the iterations between the last sample and the read are not in
+    # the samples, and adding them among the ends the samples did see would double one.
+    spans, truth, _ = timeline(100)
+    reads = counter_reads(spans, truth)
+    last = reads[-1]
+    samples = [s for s in sample(spans) if s.t_mono_ns < last.t_mono_ns - 300 * MS]
+    _, ends = run_clock(samples, [r for r in reads if r.t_mono_ns <= last.t_mono_ns],
+                        expect_counter=True)
+    check(ends, truth, tolerance=0)
+
+
 def test_gradient_accumulation_from_the_counter():
     spans, truth, _ = timeline(120, microbatches=4)
     reads = counter_reads(spans, truth)
