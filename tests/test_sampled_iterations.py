@@ -51,6 +51,20 @@ def timeline(iterations: int, loop=LOOP, microbatches: int = 1, pause_at: int | 
     return spans, truth, hidden
 
 
+def iterations(loops):
+    """[(start_ns, end_ns, phase)] and the truth of iterations whose phases vary: one
+    [(phase, ms), ...] per iteration, each followed by a 1.5 ms optimizer step."""
+    spans, truth, t = [], [], 10**9
+    for loop in loops:
+        for phase, ms in loop:
+            spans.append((t, t + int(ms * MS), phase))
+            t += int(ms * MS)
+        truth.append(t)
+        spans.append((t, t + int(1.5 * MS), "optimizer"))
+        t += int(1.5 * MS)
+    return spans, truth
+
+
 def sample(spans, hidden=(), rate_hz: int = 100, seed: int = 1, flicker: float = 0.3,
            periodic: bool = False) -> list[StackSample]:
     """Samples as py-spy gives them: taken at Poisson times, a run of identical stacks
@@ -169,15 +183,10 @@ def test_backward_runs_merged_by_a_sampling_gap_are_split_from_the_first_seconds
     # rule of "twice the usual" kept as one), once in the first second (before ten
     # runs are known).
     rng = random.Random(7)
-    spans, truth, t = [], [], 10**9
-    for i in range(150):
-        backward_ms = 62 if i in (5, 6, 70, 71, 120, 121) else rng.uniform(60, 110)
-        for phase, ms in (("data_loading", 3), ("forward", 30), ("backward", backward_ms)):
-            spans.append((t, t + int(ms * MS), phase))
-            t += int(ms * MS)
-        truth.append(t)
-        spans.append((t, t + int(1.5 * MS), "optimizer"))
-        t += int(1.5 * MS)
+    spans, truth = iterations(
+        (("data_loading", 3), ("forward", 30),
+         ("backward", 62 if i in (5, 6, 70, 71, 120, 121) else rng.uniform(60, 110)))
+        for i in range(150))
     backward = [(a, b) for a, b, phase in spans if phase == "backward"]
     gaps = [(backward[i][1] - 2 * MS, backward[i + 1][0] + 2 * MS) for i in (5, 70, 120)]
     samples = sample(spans, hidden=gaps, flicker=0, periodic=True)
@@ -196,7 +205,7 @@ def test_a_slow_iteration_or_a_flicker_between_long_backward_runs_is_not_counted
     # forward, data_loading, forward). Long runs with ~100 ms between them are not
     # merged runs, and a second forward start is not a backward run the samples missed.
     rng = random.Random(3)
-    spans, truth, t = [], [], 10**9
+    loops = []
     for i in range(150):
         slow = i % 19 == 7
         forward_ms = rng.uniform(80, 100) * (rng.uniform(1.1, 2) if slow else 1)
@@ -204,12 +213,8 @@ def test_a_slow_iteration_or_a_flicker_between_long_backward_runs_is_not_counted
         loop = [("data_loading", 5), ("forward", forward_ms), ("backward", backward_ms)]
         if i % 23 == 11:
             loop[:1] = [("forward", 12), ("data_loading", 30)]
-        for phase, ms in loop:
-            spans.append((t, t + int(ms * MS), phase))
-            t += int(ms * MS)
-        truth.append(t)
-        spans.append((t, t + int(1.5 * MS), "optimizer"))
-        t += int(1.5 * MS)
+        loops.append(loop)
+    spans, truth = iterations(loops)
     _, ends = run_clock(sample(spans, flicker=0))
     check(ends, truth, tolerance=0)
 
@@ -221,17 +226,10 @@ def test_at_200_hz_a_slow_backward_is_one_iteration_where_100_hz_would_split_it(
     # 100 Hz a 70 ms forward goes unsampled often enough (e^-7 (1 + 7) ~ 0.7%) that
     # such a run is split; at 200 Hz (e^-14 (1 + 14) ~ 1e-5) it is one slow iteration.
     rng = random.Random(11)
-    spans, truth, t = [], [], 10**9
-    for i in range(200):
-        slow = i % 17 == 9
-        loop = (("data_loading", 3), ("forward", rng.uniform(60, 80) * (1.4 if slow else 1)),
-                ("backward", rng.uniform(95, 115) * (2.4 if slow else 1)))
-        for phase, ms in loop:
-            spans.append((t, t + int(ms * MS), phase))
-            t += int(ms * MS)
-        truth.append(t)
-        spans.append((t, t + int(1.5 * MS), "optimizer"))
-        t += int(1.5 * MS)
+    spans, truth = iterations(
+        (("data_loading", 3), ("forward", rng.uniform(60, 80) * (1.4 if i % 17 == 9 else 1)),
+         ("backward", rng.uniform(95, 115) * (2.4 if i % 17 == 9 else 1)))
+        for i in range(200))
     samples = sample(spans, rate_hz=200, seed=5, flicker=0)
     _, ends = run_clock(samples, rate_hz=200)
     check(ends, truth, tolerance=0)
