@@ -51,8 +51,8 @@ MIN_RUNS = 4  # ... and at least this many (a merged run is lost in the first se
 # The longest stretch the samples can miss in full, in sampling periods. py-spy's
 # sampling times are Poisson (src/timer.rs), so a stretch of x periods holds fewer than
 # two samples (too few to confirm a run) with probability e^-x (1 + x): 0.3% at 8
-# periods, 80 ms at 100 Hz (counted without a counter, two backward runs merged in ~1.3%
-# of ~150 ms iterations whose forward took 60-80 ms; at 200 Hz in none of 913). A
+# periods, 80 ms at 100 Hz (counted without a counter, two backward runs merged in 0.65%
+# of ~150 ms iterations whose forward took 60-80 ms; at 200 Hz in none of 1813). A
 # backward run longer than this is never missed whole, and runs farther apart than
 # this never merge: there a long run is a slow iteration. (On a busy 2-core host at
 # 100 Hz py-spy saw 50 ms forwards for only 2-7 ms now and then, and once stalled for

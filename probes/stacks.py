@@ -37,9 +37,9 @@ JOB_ITERATION_REFRESH_NS = 60_000_000_000
 COUNTING_SPACING_NS = 2_000_000_000
 # Without the job's counter every end comes from the samples, and py-spy's sampling
 # times are Poisson: a forward of 60-80 ms goes unsampled (two backward runs merge)
-# in ~1.3% of iterations at 100 Hz and in practice never at 200 Hz (e^-x (1 + x) at
-# x sampling periods: parsers/sampled_iterations.py). py-spy's CPU doubles with it
-# (~4% -> ~7% of a core), for as long as no counter is found.
+# in 0.65% of iterations at 100 Hz and in none of 1813 at 200 Hz (e^-x (1 + x) at x
+# sampling periods: parsers/sampled_iterations.py). py-spy's CPU nearly doubles with it
+# (docs/pyspy.md, "Overhead"), for as long as no counter is found.
 COUNTING_RATE_HZ = 200
 
 
