@@ -24,6 +24,13 @@ from tests.fakes.build_cuda import FakeCudaLibraries, build_fake_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_GPT = ROOT / "tests" / "targets" / "train_gpt.py"
+# A GPU job's stand-in for the tests whose truth is the job's pace (fail-slow, goodput):
+# each micro-batch's forward waits 120 ms as a GPU job's CPU waits for its kernels, around
+# a CPU part as small as a GPU job's (~3.5 ms: one sequence, plain SGD). A larger one of
+# four sequences and AdamW (~9 ms) wandered by up to 4% of the step under the suite's
+# load: it swallowed or inflated a 5% shift, and made a fail-slow of its own.
+DEVICE_JOB = ("--num-layers", "1", "--hidden-size", "64", "--seq-length", "16",
+              "--micro-batch-size", "1", "--optimizer", "sgd", "--device-ms", "120")
 SUMMARY_SCHEMA = json.loads((ROOT / "parsers" / "data" / "perf_summary.schema.json").read_text())
 
 

@@ -24,14 +24,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TRAIN_GPT, Agent, Target, _reap, ebpf_missing, load_summary
+from tests.conftest import (
+    DEVICE_JOB,
+    TRAIN_GPT,
+    Agent,
+    Target,
+    _reap,
+    ebpf_missing,
+    load_summary,
+)
 
 MS = 1_000_000
-# The CPU part as small as a GPU job's (~3.5 ms: one sequence, plain SGD): the larger
-# one of four sequences and AdamW (~9 ms) wandered by up to 4% of the step under the
-# suite's load, which swallowed or inflated the 5% shift.
-JOB = ("--num-layers", "1", "--hidden-size", "64", "--seq-length", "16", "--micro-batch-size",
-       "1", "--optimizer", "sgd", "--device-ms", "120")
 # Seconds after the job's first iteration (the agent attaches ~2 s after it): three
 # slowdowns of 30% for 15 s from 15, 45 and 90 s after attach, one of 5% for 30 s, and a
 # creep from 0 to +15% over 40 s, held for 5 s.
@@ -81,7 +84,7 @@ def own_change_pct(target: Target, event: dict) -> float:
 def _job(tmp: Path, *args: str) -> Target:
     stamps = tmp / "stamps.txt"
     with open(tmp / "job.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(TRAIN_GPT), *JOB, "--timestamps",
+        proc = subprocess.Popen([sys.executable, str(TRAIN_GPT), *DEVICE_JOB, "--timestamps",
                                  str(stamps), *args],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return Target(proc, stamps)

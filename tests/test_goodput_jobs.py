@@ -23,10 +23,17 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import TRAIN_GPT, Agent, Target, _reap, ebpf_missing, wait_for
+from tests.conftest import (
+    DEVICE_JOB,
+    TRAIN_GPT,
+    Agent,
+    Target,
+    _reap,
+    ebpf_missing,
+    wait_for,
+)
 from tests.test_trace import _load as trace_events
 
-JOB = ("--num-layers", "1", "--hidden-size", "64", "--seq-length", "32", "--device-ms", "120")
 HANG_AT, HANG_S = 100, 20.0
 SLOW = (20, 50, 0.5)  # seconds after training started, and by how much of the step
 
@@ -108,7 +115,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Done]]:
             stamps = folder / "stamps.txt"
             proc = agent.start("run", "--output-dir", str(folder), "--metrics-address", "off",
                                "--hang-timeout", "5", "--", sys.executable, str(TRAIN_GPT),
-                               *JOB, "--timestamps", str(stamps), *args)
+                               *DEVICE_JOB, "--timestamps", str(stamps), *args)
             runs[name] = (proc, folder, stamps, _mono_start(_job_pid(proc.pid)))
         for name, (proc, folder, stamps, start_ns) in runs.items():
             _, stderr = proc.communicate(timeout=240)
@@ -154,8 +161,10 @@ def test_a_20s_hang_is_20s_of_hang(jobs: dict[str, Done]) -> None:
     listed = subprocess.run([sys.executable, "-m", "perfmon.agent.cli", "incidents",
                              str(run.summary_folder), "--json"], capture_output=True,
                             text=True, timeout=60, check=True)
-    (found,) = json.loads(listed.stdout)["incidents"]
-    assert found["folder"] == str(bundle) and found["kind"] == "hang"
+    # (the hang's, once; a CPU job's own pace on this shared VM can also move enough, a
+    # few % for 10 s, for a fail_slow incident beside it: CI saw +4% after the hang)
+    (found,) = [i for i in json.loads(listed.stdout)["incidents"] if i["kind"] == "hang"]
+    assert found["folder"] == str(bundle)
 
 
 def test_a_forward_slower_by_half_for_30s_is_its_excess_as_a_slowdown(
@@ -183,7 +192,8 @@ def test_a_killed_rank_restarted_by_torchrun_is_a_restart_in_the_jobs_ledger(
         proc = agent.start(
             "run", "--output-dir", str(tmp_path), "--metrics-address", "off", "--",
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            "2", "--max-restarts", "1", str(TRAIN_GPT), "--ddp", *JOB, "--train-iters", "260",
+            "2", "--max-restarts", "1", str(TRAIN_GPT), "--ddp", *DEVICE_JOB,
+            "--train-iters", "260",
             "--checkpoint", str(checkpoint), "--checkpoint-every", "50",
             "--timestamps", str(stamps),
             # (torch shares the rendezvous store with the workers, and a restarted
