@@ -136,6 +136,19 @@ class Phase(Record):
 
 
 @dataclass(frozen=True)
+class StackWindow(Record):
+    """One py-spy window of the primary rank: ``samples_in`` false when it is started
+    (``t_mono_ns`` = ``start_mono_ns``, the earliest its samples can be), true once its
+    phase spans are logged (``t_mono_ns``: after them). An iteration_logs entry that ends
+    after a window started waits for its samples (stack samples in bursts come ~1 s late)."""
+
+    TYPE: ClassVar[str] = "stack_window"
+    pid: int
+    start_mono_ns: int
+    samples_in: bool
+
+
+@dataclass(frozen=True)
 class ProcessSample(Record):
     """Resident memory of one rank; ``peak_rss_bytes`` its lifetime peak (VmHWM);
     ``cpu_ns`` and ``run_delay_ns`` its threads' CPU time and time spent runnable but
@@ -283,7 +296,8 @@ class SessionEnd(Record):
 
 RECORD_TYPES: tuple[type[Record], ...] = (
     SessionStart, LogPart, Quality, CudaSnapshot, WaitTotals, Marker, Steps, JobIteration, Phase,
-    ProcessSample, GpuSamples, Xid, Ecc, Hang, HangRecovered, RankExit, Coarsened, SessionEnd,
+    StackWindow, ProcessSample, GpuSamples, Xid, Ecc, Hang, HangRecovered, RankExit, Coarsened,
+    SessionEnd,
 )
 BY_TYPE: dict[str, type[Record]] = {cls.TYPE: cls for cls in RECORD_TYPES}
 # Ties in time are ordered by type, as RECORD_TYPES lists them: a CUDA snapshot and

@@ -69,6 +69,7 @@ from perfmon.probes.sampler import Sampler, monotonic_ns
 DEFAULT_RATE_HZ = 100
 DEFAULT_WINDOW_S = 1.0
 MIN_DUTY = 0.01  # at least one 1 s window every 100 s
+SETTLE_TIMEOUT_S = 2.0  # py-spy writes a 1 s window's file within ~0.1 s of SIGINT
 # From spawning py-spy to the Instant::now() that is its chrometrace's ts = 0:
 # exec of the static binary, Rust start-up and argument parsing. Measured with
 # a uprobe on py-spy 0.4.3's Chrometrace::increment (docs/pyspy.md): median
@@ -220,6 +221,8 @@ class _Window:
     origin_ns: int  # CLOCK_MONOTONIC of the chrometrace's ts = 0
     stop_ns: int | None = None  # when we told it to stop; the next window covers from here
     pause_after: bool = False  # stopped at the end of a burst: no window follows at once
+    sampling_since_ns: int | None = None  # when we saw it sampling
+    discarded: bool = False  # killed before it sampled (the session ended): no output
     stdout: bytes = b""
     stderr: bytes = b""
 
@@ -291,6 +294,10 @@ class PySpySampler(Sampler[StackSample]):
         self.sampled_ns = 0  # time the samples delivered so far cover
         self.duty = 1.0
         self.last_error: str | None = None
+        # (pid, window start, samples in): a window started, or its samples delivered
+        # (by the poll that returns them); taken by take_windows().
+        self._windows: list[tuple[int, int, bool]] = []
+        self._settled = False
         self._lanes: list[_Lane] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._launched = 0
@@ -298,6 +305,11 @@ class PySpySampler(Sampler[StackSample]):
     @property
     def ended_pids(self) -> list[int]:
         return [lane.pid for lane in self._lanes if lane.ended]
+
+    @property
+    def sampling_pids(self) -> list[int]:
+        """Targets whose window samples now."""
+        return [lane.pid for lane in self._lanes if lane.current is not None]
 
     def _start(self) -> None:
         self.executable = self.executable or find_pyspy()
@@ -333,7 +345,36 @@ class PySpySampler(Sampler[StackSample]):
             assert pipe is not None
             os.set_blocking(pipe.fileno(), False)
         lane.last_launch_ns = t_spawn_ns
-        return _Window(proc, output, t_spawn_ns + PYSPY_STARTUP_NS)
+        window = _Window(proc, output, t_spawn_ns + PYSPY_STARTUP_NS)
+        self._windows.append((lane.pid, window.origin_ns, False))
+        return window
+
+    def take_windows(self) -> list[tuple[int, int, bool]]:
+        """(pid, start, samples_in) since the last call: a window started (its samples
+        can be from ``start`` on), or its samples returned by ``poll()``, every window
+        started being delivered once (none, when it failed)."""
+        windows, self._windows = self._windows, []
+        return windows
+
+    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        """The session ends: stop every window now and wait (at most ``timeout_s``) for
+        py-spy to write its samples, so that the next ``poll()`` returns them (a burst
+        in flight would be lost otherwise); no window starts after this."""
+        self._settled = True
+        for lane in self._lanes:
+            if lane.current is not None:
+                lane.current.stop()
+                lane.finishing.append(lane.current)
+                lane.current = None
+            if lane.pending is not None:  # not sampling yet: nothing to keep
+                lane.pending.kill()
+                lane.pending.discarded = True
+                lane.finishing.append(lane.pending)
+                lane.pending = None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(
+                w.proc.poll() is None for lane in self._lanes for w in lane.finishing):
+            time.sleep(0.02)
 
     def _poll(self) -> list[StackSample]:
         samples: list[StackSample] = []
@@ -363,6 +404,7 @@ class PySpySampler(Sampler[StackSample]):
                     lane.current.stop()
                     lane.finishing.append(lane.current)
                 lane.current, lane.pending = lane.pending, None
+                lane.current.sampling_since_ns = now
             elif lane.pending.proc.poll() is not None:  # failed while attaching
                 lane.finishing.append(lane.pending)
                 lane.pending = None
@@ -371,17 +413,24 @@ class PySpySampler(Sampler[StackSample]):
             lane.current = None
         period = int(self.window_ns / self.duty)
         if (self.duty < 1.0 and lane.current is not None
-                and now - lane.last_launch_ns >= self.window_ns):
-            # A burst ends: stop this window now; the next one starts a period after it.
+                and now - (lane.current.sampling_since_ns or now) >= self.window_ns):
+            # A burst ends (window_s after it began sampling: py-spy can take seconds to
+            # attach on a loaded host): stop this window now; the next one starts a
+            # period after the last launch.
             lane.current.stop()
             lane.current.pause_after = True
             lane.finishing.append(lane.current)
             lane.current = None
         due = now - lane.last_launch_ns >= period
-        if due and lane.pending is None and not lane.ended:
+        if due and lane.pending is None and not lane.ended and not self._settled:
             lane.pending = self._launch(lane)
 
     def _harvest(self, lane: _Lane, window: _Window) -> list[StackSample]:
+        samples = [] if window.discarded else self._read_window(lane, window)
+        self._windows.append((lane.pid, window.origin_ns, True))
+        return samples
+
+    def _read_window(self, lane: _Lane, window: _Window) -> list[StackSample]:
         window.read_pipes()
         window.kill()  # already exited: just reaps and closes the pipes
         counts = _SAMPLES_LINE.search(window.stdout)

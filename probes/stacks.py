@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from perfmon.parsers.errors import PerfmonError
-from perfmon.parsers.events import JobIteration, Marker, Phase, Record
+from perfmon.parsers.events import JobIteration, Marker, Phase, Record, StackWindow
 from perfmon.parsers.pyspy import ThreadStack
 from perfmon.parsers.sampled_iterations import CounterRead, SampledIterationClock
 from perfmon.parsers.stack_analysis import (
@@ -93,8 +93,10 @@ class StackSource(Source):
         return self.sampler.duty
 
     def settle(self) -> None:
-        """The session ends: the next poll settles every iteration end still held."""
+        """The session ends: the next poll brings the samples of the window in flight
+        (waited for, briefly) and settles every iteration end still held."""
         self._final = True
+        self.sampler.settle()
 
     def _poll(self) -> list[Record]:
         samples = self.sampler.poll()
@@ -103,6 +105,9 @@ class StackSource(Source):
         for _tag, read, error in self._calls.done():
             records += self._counter_read(read, error)
         now = monotonic_ns()
+        # (a window's samples_in record is timed now: it sorts after its phase spans)
+        records += [StackWindow(now if samples_in else start, pid, start, samples_in)
+                    for pid, start, samples_in in self.sampler.take_windows()]
         if now >= self._next_read_ns and not self._final and not self._calls.busy():
             self._reads += 1
             self._calls.submit("locals", self._read_locals)

@@ -51,6 +51,7 @@ def test_every_record_round_trips_and_checks(cls):
         "hang": {"last_iteration_mono_ns": 0, "threshold_s": 120.0, "frame": "f",
                  "report": "r"},
         "hang_recovered": {}, "session_end": {"reason": "duration"},
+        "stack_window": {"pid": 1, "start_mono_ns": 1, "samples_in": True},
         "coarsened": {"part": 0, "from_mono_ns": 1, "until_mono_ns": 9, "interval_s": 60,
                       "merged": {"process": [60, 1]}, "dropped": {"phase": 240}},
         "rank_exit": {"pid": 1, "exit_code": 1, "signal": None, "core_dumped": False,

@@ -149,6 +149,31 @@ def test_close_kills_and_reaps_pyspy_and_is_idempotent(steady_target):
     assert sampler.poll() == []
 
 
+def test_the_burst_in_flight_when_sampling_settles_is_read_and_none_follows(steady_target):
+    target = steady_target
+    sampler = PySpySampler([target.pid])
+    sampler.set_duty(0.1)  # one 1 s burst every 10 s
+    sampler.start()
+    try:
+        samples: list[StackSample] = []
+        wait_for(lambda: samples.extend(sampler.poll()) or sampler.sampling_pids,
+                 timeout_s=20, what="py-spy to sample")
+        samples += _sample_for(sampler, 0.4)
+        assert samples == []  # (a window's samples come when it ends)
+        settled_at = time.monotonic_ns()
+        sampler.settle()
+        samples = sampler.poll()
+        assert samples and sampler.lost_windows == 0, sampler.last_error
+        assert max(s.t_mono_ns + s.duration_ns for s in samples) > settled_at - 200_000_000
+        windows = sampler.take_windows()  # the one window: started, then its samples in
+        start = windows[0][1]
+        assert windows == [(target.pid, start, False), (target.pid, start, True)]
+        assert start <= min(s.t_mono_ns for s in samples)
+        assert _sample_for(sampler, 0.5) == [] and _pyspy_children() == []
+    finally:
+        sampler.close()
+
+
 def test_missing_pyspy_binary_says_how_to_install_it():
     sampler = PySpySampler([os.getpid()], executable="/nonexistent/py-spy")
     with pytest.raises(PrerequisiteMissing, match="pip install py-spy"):

@@ -135,6 +135,34 @@ def test_a_burst_that_saw_only_backward_gives_its_window_no_phases():
                                                  "other": 0}
 
 
+def test_in_bursts_an_interval_waits_for_the_window_started_before_it_ended():
+    # A 1 s burst starts at 50 ms; the interval ends at 400 ms, while it samples; its
+    # samples (data loading, then forward) come at 1100 ms, with the window's end.
+    def window(t_ms: float, start_ms: float, samples_in: bool) -> dict:
+        return {"type": "stack_window", "t_mono_ns": int(t_ms * MS), "pid": 10,
+                "start_mono_ns": int(start_ms * MS), "samples_in": samples_in}
+
+    def phase(start_ms: float, end_ms: float, name: str) -> dict:
+        return {"type": "phase", "t_mono_ns": int(start_ms * MS),
+                "end_mono_ns": int(end_ms * MS), "pid": 10, "phase": name}
+
+    agg = Summarizer(Workload(), primary_pid=10, start_t_mono_ns=0, start_wall_s=1.8e9,
+                     log_interval=2, stack_sampling=True, phases_continuous=False)
+    entries = feed(agg, [window(50, 50, False), marker("optimizer_step", 0),
+                         marker("optimizer_step", 200), marker("optimizer_step", 400)])
+    assert entries == []  # its samples are still to come
+    entries = feed(agg, [phase(60, 160, "data_loading"), phase(160, 400, "forward"),
+                         window(1100, 50, True)])
+    (entry,) = entries
+    assert entry["phases"]["data_loading"]["share"] == pytest.approx(100 / 340)
+    # Once that window is in, the next interval is complete when it ends (a window
+    # started after it is not waited for): no samples, no phases.
+    later = feed(agg, [marker("optimizer_step", 1300), marker("optimizer_step", 1500),
+                       window(1600, 1600, False)])
+    assert [e["phases"] for e in later] == [None]
+    assert agg.final_statistics()["phases_iterations"] == 2
+
+
 def test_sampling_errors_within_5pct_of_the_samples_are_minor_and_beyond_a_loss():
     quality = DataQuality()
     quality.on_quality({"source": "pyspy", "counters": {"samples": 100, "sampling_errors": 5,

@@ -88,6 +88,22 @@ HEALTH_WINDOW_S = 5.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def _within(records: list[dict[str, Any]], until_ns: int) -> list[dict[str, Any]]:
+    """``records`` as the window ending at ``until_ns`` has them: markers after it
+    dropped, stack-sample spans cut to it."""
+    kept = []
+    for r in records:
+        if r["type"] == "marker" and r["t_mono_ns"] > until_ns:
+            continue
+        if r["type"] == "phase":
+            if r["t_mono_ns"] >= until_ns:
+                continue
+            kept.append({**r, "end_mono_ns": min(r["end_mono_ns"], until_ns)})
+            continue
+        kept.append(r)
+    return kept
+
+
 @dataclass
 class SessionContext:
     """What the process running a session provides; ``attach`` needs none of it, the node
@@ -392,10 +408,11 @@ class MonitorSession:
 
     def _ingest(self, live: _Live, until_ns: int | None = None) -> bool:
         """Log and reduce what the sources gathered, in (time, type) order; True when an
-        interval completed. ``until_ns``: the window's end (markers after it are dropped)."""
+        interval completed. ``until_ns``: the window's end (markers after it are dropped,
+        stack-sample spans cut to it: the last py-spy window is stopped just after it)."""
         records = [r.to_record() for source in live.sources for r in source.poll()]
         if until_ns is not None:
-            records = [r for r in records if r["type"] != "marker" or r["t_mono_ns"] <= until_ns]
+            records = _within(records, until_ns)
         records += [r.to_record() for r in live.hangs.reports()]
         records.sort(key=sort_key)
         completed = False

@@ -6,10 +6,11 @@ exits, GPU errors, reads of the job's counter, quality counters). What comes wit
 rather than with iterations is merged into one record per rank (or per GPU sample) and
 minute: memory (the minute's largest resident set, its peak, the last CPU counters),
 NVML (the minute's sample whose GPUs held the most memory), CUDA snapshots (the last of
-the minute: their counters are cumulative, so totals stay). Stack-sample spans and raw
-markers (whose waits the rows already hold) are dropped. A ``coarsened`` record right
-after the part's first one says what was merged and dropped, over which span (so a
-replay knows it before the records: two passes over the part).
+the minute: their counters are cumulative, so totals stay). Stack-sample spans (with
+their windows' records) and raw markers (whose waits the rows already hold) are
+dropped. A ``coarsened`` record right after the part's first one says what was merged
+and dropped, over which span (so a replay knows it before the records: two passes
+over the part).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from perfmon.parsers.errors import EventLogError
 from perfmon.parsers.log_reader import EventLogReader
 
 COARSE_NS = 60_000_000_000  # one merged record per rank and minute
-DROPPED = frozenset(("phase", "marker", "waits"))
+DROPPED = frozenset(("phase", "stack_window", "marker", "waits"))
 MERGED = frozenset(("process", "gpu", "cuda"))
 
 

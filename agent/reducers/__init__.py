@@ -109,8 +109,9 @@ class Summarizer:
         self.intervals = Intervals(
             clock=self.clock, phases=self.phases, resources=self.resources, cuda=self.cuda,
             log_interval=log_interval, max_log_entries=max_log_entries,
-            # Entries wait for the samples that cover them only when sampling is
-            # continuous; in bursts most intervals have none to wait for.
+            # Entries wait until the samples cover them only when sampling is
+            # continuous; in bursts most intervals have none to wait for (they wait
+            # for a window started before they ended: PhaseAccount.samples_due).
             wait_for_phases=stack_sampling and phases_continuous, wall_time=self.wall_time,
             ranks=self.ranks if ranks and len(ranks) > 1 else None)
         self._waiting = self.intervals.waiting  # entries waiting for later records
@@ -123,6 +124,7 @@ class Summarizer:
             "waits": rows.feed if rows is not None else lambda _r: None,
             "steps": self._on_steps,
             "phase": lambda r: phase_feed(r) if r["pid"] == primary else None,
+            "stack_window": lambda r: self.phases.on_window(r) if r["pid"] == primary else None,
             "process": self._on_process,
             "gpu": self.resources.on_gpu,
             "xid": self.resources.on_gpu_event,

@@ -1,8 +1,9 @@
 """Interval windows: every ``log_interval`` iterations, one iteration_logs entry.
 
 An entry takes its memory and GPU figures when its last iteration ends, and is
-complete when the stack samples covering it are in (stack sampling continuous)
-and the CUDA snapshot at its end is in, or when it waited
+complete when the stack samples covering it are in (stack sampling continuous;
+in bursts, those of every py-spy window started before it ended) and the CUDA
+snapshot at its end is in, or when it waited
 PHASE_WAIT_NS of record time, or at the session's end; decided by record
 contents alone, so a replay of the log decides the same. Beyond
 ``max_log_entries`` the older entries are thinned evenly (``kept_one_in``).
@@ -81,7 +82,8 @@ class Intervals:
         while self._pending:
             entry, start, end, count = self._pending[0]
             waited = now_ns is not None and now_ns >= end + PHASE_WAIT_NS
-            phases_in = not self.wait_for_phases or self.phases.watermark_ns >= end
+            phases_in = ((not self.wait_for_phases or self.phases.watermark_ns >= end)
+                         and not self.phases.samples_due(end))
             cuda_in = self.cuda is None or self.cuda.snapshot(end) is not None
             if not ((phases_in and cuda_in) or waited or final):
                 break

@@ -40,6 +40,19 @@ class PhaseAccount:
         self.probed = False
         self.total_ns = dict.fromkeys(PHASES, 0)
         self.total_iterations = 0
+        self._windows_due: set[int] = set()  # starts of py-spy windows whose samples are not in
+
+    def on_window(self, record: dict[str, Any]) -> None:
+        """A ``stack_window`` record: a window started, or its samples are in."""
+        if record["samples_in"]:
+            self._windows_due.discard(record["start_mono_ns"])
+        else:
+            self._windows_due.add(record["start_mono_ns"])
+
+    def samples_due(self, end_ns: int) -> bool:
+        """Whether samples from before ``end_ns`` may still come (a window started
+        before it is not in)."""
+        return any(start < end_ns for start in self._windows_due)
 
     def add_span(self, start_ns: int, end_ns: int, phase: str) -> None:
         self.sampled = True
