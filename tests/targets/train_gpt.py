@@ -320,18 +320,24 @@ def train(args: argparse.Namespace) -> None:
     if args.after_train == "sleep":
         while True:
             time.sleep(3600)
-    end_process_group()
+    end_process_group(args.exit_code)
     if args.exit_code:
         sys.exit(args.exit_code)
 
 
-def end_process_group() -> None:
-    """Destroy the process group before exiting, as a job should: gloo's threads left
-    running at interpreter exit can abort the process (SIGABRT) after training ended."""
+def end_process_group(exit_code: int = 0) -> None:
+    """Destroy the process group before exiting, as a job should, once every rank is
+    done (a barrier), and exit without the interpreter's teardown: gloo's threads and
+    a peer's store gone first can still abort a rank there (SIGABRT, "terminate called
+    without an active exception", seen once in a restarted 2-rank attempt)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
 
 
 def loop(args, model, optimizer, batches, stamps, device) -> None:
