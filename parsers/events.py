@@ -310,6 +310,22 @@ def sort_key(record: dict[str, Any]) -> tuple[int, int]:
     return record["t_mono_ns"], TYPE_ORDER.get(record["type"], len(TYPE_ORDER))
 
 
+def cut_to_window(records: list[dict[str, Any]], until_ns: int) -> list[dict[str, Any]]:
+    """``records`` as a window ending at ``until_ns`` has them: markers after it
+    dropped, ``phase`` spans cut to it."""
+    kept = []
+    for r in records:
+        if r["type"] == "marker" and r["t_mono_ns"] > until_ns:
+            continue
+        if r["type"] == "phase":
+            if r["t_mono_ns"] >= until_ns:
+                continue
+            kept.append({**r, "end_mono_ns": min(r["end_mono_ns"], until_ns)})
+            continue
+        kept.append(r)
+    return kept
+
+
 def _runtime_types(annotation: Any) -> tuple[type, ...]:
     """Accepted runtime types of a field annotation; the usual one first."""
     origin = typing.get_origin(annotation)

@@ -294,9 +294,7 @@ class PySpySampler(Sampler[StackSample]):
         self.sampled_ns = 0  # time the samples delivered so far cover
         self.duty = 1.0
         self.last_error: str | None = None
-        # (pid, window start, samples in): a window started, or its samples delivered
-        # (by the poll that returns them); taken by take_windows().
-        self._windows: list[tuple[int, int, bool]] = []
+        self._windows: list[tuple[int, int, bool]] = []  # for take_windows()
         self._settled = False
         self._lanes: list[_Lane] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -351,8 +349,7 @@ class PySpySampler(Sampler[StackSample]):
 
     def take_windows(self) -> list[tuple[int, int, bool]]:
         """(pid, start, samples_in) since the last call: a window started (its samples
-        can be from ``start`` on), or its samples returned by ``poll()``, every window
-        started being delivered once (none, when it failed)."""
+        are from ``start`` on), or its samples (none if it failed) returned by poll()."""
         windows, self._windows = self._windows, []
         return windows
 
@@ -414,9 +411,8 @@ class PySpySampler(Sampler[StackSample]):
         period = int(self.window_ns / self.duty)
         if (self.duty < 1.0 and lane.current is not None
                 and now - (lane.current.sampling_since_ns or now) >= self.window_ns):
-            # A burst ends (window_s after it began sampling: py-spy can take seconds to
-            # attach on a loaded host): stop this window now; the next one starts a
-            # period after the last launch.
+            # A burst ends window_s after it began to sample (attaching can take seconds
+            # on a loaded host); the next one starts a period after the last launch.
             lane.current.stop()
             lane.current.pause_after = True
             lane.finishing.append(lane.current)

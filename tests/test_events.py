@@ -10,8 +10,10 @@ from perfmon.parsers.events import (
     BY_TYPE,
     RECORD_TYPES,
     Marker,
+    Phase,
     Quality,
     Steps,
+    cut_to_window,
     record_problem,
     records_table,
 )
@@ -101,3 +103,13 @@ def test_malformed_records_are_named():
     assert record_problem({"type": "a_newer_kind", "t_mono_ns": 1}) is None  # skipped, unknown
     with pytest.raises(ValueError, match="without 'source'"):
         Quality.from_record({"type": "quality", "t_mono_ns": 1})
+
+
+def test_a_window_keeps_what_came_before_its_end_and_cuts_spans_to_it():
+    records = [Marker(9, 1, 1, "optimizer_step", "x").to_record(),
+               Marker(11, 1, 1, "optimizer_step", "x").to_record(),
+               Phase(5, 15, 1, "forward").to_record(), Phase(10, 12, 1, "backward").to_record(),
+               Quality(12, "pyspy", {"samples": 3}).to_record()]
+    kept = cut_to_window(records, 10)
+    assert [(r["type"], r["t_mono_ns"], r.get("end_mono_ns")) for r in kept] == [
+        ("marker", 9, None), ("phase", 5, 10), ("quality", 12, None)]

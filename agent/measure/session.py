@@ -56,6 +56,7 @@ from perfmon.parsers.events import (
     Quality,
     SessionEnd,
     SessionStart,
+    cut_to_window,
     sort_key,
 )
 from perfmon.parsers.workload import Workload
@@ -86,22 +87,6 @@ SUMMARY_REFRESH_NS = 15_000_000_000
 SUMMARY_WRITE_BUDGET = 200
 HEALTH_WINDOW_S = 5.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def _within(records: list[dict[str, Any]], until_ns: int) -> list[dict[str, Any]]:
-    """``records`` as the window ending at ``until_ns`` has them: markers after it
-    dropped, stack-sample spans cut to it."""
-    kept = []
-    for r in records:
-        if r["type"] == "marker" and r["t_mono_ns"] > until_ns:
-            continue
-        if r["type"] == "phase":
-            if r["t_mono_ns"] >= until_ns:
-                continue
-            kept.append({**r, "end_mono_ns": min(r["end_mono_ns"], until_ns)})
-            continue
-        kept.append(r)
-    return kept
 
 
 @dataclass
@@ -408,11 +393,10 @@ class MonitorSession:
 
     def _ingest(self, live: _Live, until_ns: int | None = None) -> bool:
         """Log and reduce what the sources gathered, in (time, type) order; True when an
-        interval completed. ``until_ns``: the window's end (markers after it are dropped,
-        stack-sample spans cut to it: the last py-spy window is stopped just after it)."""
+        interval completed. ``until_ns``: the window's end (what came after it is cut)."""
         records = [r.to_record() for source in live.sources for r in source.poll()]
         if until_ns is not None:
-            records = _within(records, until_ns)
+            records = cut_to_window(records, until_ns)
         records += [r.to_record() for r in live.hangs.reports()]
         records.sort(key=sort_key)
         completed = False
