@@ -232,6 +232,12 @@ def test_twenty_fake_jobs_of_one_user_leave_slots_for_another_users_job(
              "the other twelve to wait")
     time.sleep(2 * SCAN_S)
     assert sum(attach_line(service, p.pid) for p in fakes) == 8
+    # Sessions start their probes one at a time (bcc's compiler: ~2 s each here, and
+    # the summary is published once they run): A's job starts once B's eight measure,
+    # or its own measure begins behind theirs (83 of 400 iterations once in CI).
+    attached = [p for p in fakes if attach_line(service, p.pid)]
+    wait_for(lambda: all(any(service.job_folder(p.pid).glob("perf_summary_*.json"))
+                         for p in attached), 120, "B's eight sessions to be measuring")
     job = alice.python("--train-iters", "400", env={})
     wait_for(lambda: "libtorch_cpu" in open(f"/proc/{job.pid}/maps").read(), 60,
              "A's job to load PyTorch", interval_s=0.05)
