@@ -221,12 +221,16 @@ class SampledIterationClock:
     def take(self, final: bool = False) -> list[tuple[int, str]]:
         """Iteration ends settled since the last call, in time order."""
         self._group(final)
-        # A read is compared once the samples reach past it (the ends before it are
-        # then found). At the end, reads the samples never reached are dropped: the
-        # iterations just before them are not in the samples, and adding them among
-        # the ends that are would double some.
+        # A read is compared once the samples reach past it and every end before it is
+        # settled (a backward end is a candidate until the next run ends: a read in a
+        # run the samples at hand do not end would count one short, and the repair
+        # would double an end). At the end, reads the samples never reached are
+        # dropped: the iterations just before them are not in the samples, and adding
+        # them among the ends that are would double some.
         slack = 0 if final else CONFIRM_NS
-        while self._reads and self._reads[0].end_mono_ns + slack <= self.watermark_ns:
+        while self._reads and self._reads[0].end_mono_ns + slack <= self.watermark_ns and (
+                not self._candidates
+                or self._candidates[0].t_mono_ns > self._reads[0].t_mono_ns):
             self._settle(self._reads.pop(0))
         if final:
             self._reads = []

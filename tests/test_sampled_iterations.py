@@ -284,6 +284,25 @@ def test_a_read_past_the_last_samples_adds_no_end_at_the_session_end():
     check(ends, truth, tolerance=0)
 
 
+def test_a_read_in_a_backward_run_the_samples_at_hand_do_not_end_doubles_no_end():
+    # Samples come a py-spy window (1 s) at a time. A read inside a backward run that
+    # goes on past the window is reached by them while the end of the run before it
+    # is still a candidate (one is settled when the next run ends): compared then, the
+    # count was one short, and the repair doubled an end (6 in 54 once in CI).
+    spans, truth, _ = timeline(300)
+    samples = sample(spans)
+    reads = []
+    for k in range(1, 40):
+        t = samples[0].t_mono_ns + k * 10**9 - 30 * MS  # 30 ms before a window ends
+        _, end, phase = next(s for s in spans if s[0] <= t < s[1])
+        if phase == "backward" and end > t + 30 * MS:
+            value = sum(1 for x in truth if x + MS <= t)  # incremented after the step
+            reads.append(CounterRead(t, t + 8 * MS, value, "backward"))
+    assert len(reads) >= 10
+    _, ends = run_clock(samples, reads, expect_counter=True)
+    check(ends, truth, tolerance=0)
+
+
 def test_gradient_accumulation_from_the_counter():
     spans, truth, _ = timeline(120, microbatches=4)
     reads = counter_reads(spans, truth)
