@@ -6,10 +6,11 @@ iterations. What every iteration is sure to show, in order of preference:
 
 1. ``counter``: the job's own iteration counter, read from its frame locals
    (``py-spy dump --locals``). The count between two reads is the counter's
-   difference, exactly. Only reads whose snapshot shows the training thread in
-   the same phase as the boundary's anchor (inside backward) are used: a read
-   there always sees the counter at the same point of the loop relative to the
-   boundaries, wherever the loop increments it, so the comparison is exact.
+   difference, exactly. Only reads taken with the training thread in the same
+   phase as the boundary's anchor (inside backward: the read's snapshot and the
+   samples' run over the whole read both say so) are used: a read there always
+   sees the counter at the same point of the loop relative to the boundaries,
+   wherever the loop increments it, so the comparison is exact.
    Between two such reads, ends the samples missed are added (in the longest
    gaps) and extra ones removed (the shortest), so the count matches.
 2. ``phase_transitions``: the end of each run of backward samples (backward is
@@ -63,6 +64,9 @@ MAX_UNSEEN_PERIODS = 8
 PERIOD_NS = 10_000_000  # py-spy's default sampling period (100 Hz)
 # Without a usable counter read for this long, held ends are passed on anyway.
 MAX_HOLD_NS = 15_000_000_000
+# Runs remembered to judge counter reads by: reads are settled within seconds of being
+# taken, and runs come ~10 a second (three phases of ~100 ms steps).
+PAST_RUNS = 1024
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ class SampledIterationClock:
         self._excursion: str | None = None  # a phase of a transition seen since (see blips)
         self._blips: list[tuple[int, int, bool]] = []  # (outside since, back at, optimizer)
         self._optimizer_since_backward = False  # an optimizer sample since backward began
+        self._past_runs: deque[tuple[str, int, int]] = deque(maxlen=PAST_RUNS)  # (phase,
+        # first sample, first sample outside) of recent runs, to judge counter reads by
         self._runs: deque[int] = deque(maxlen=MEDIAN_OF)  # recent backward run lengths
         self._outsides: deque[int] = deque(maxlen=MEDIAN_OF)  # ... and the time before each
         self._after_backward = False  # a backward run ended; the next has not begun
@@ -180,6 +186,8 @@ class SampledIterationClock:
 
     def _change_run(self, phase: str) -> None:
         assert self._outside_since is not None and self._next_since is not None
+        if self._run_phase is not None:
+            self._past_runs.append((self._run_phase, self._run_since, self._outside_since))
         if self._run_phase == "backward":
             self._end_backward_run(self._outside_since)
             self._after_backward = True
@@ -374,7 +382,7 @@ class SampledIterationClock:
     def _settle(self, read: CounterRead) -> None:
         """Compare the ends since the last clean read with the counter; repair the held ones."""
         anchor_phase = "backward" if self._backward_seen else "forward"
-        if read.phase != anchor_phase:
+        if read.phase != anchor_phase or self._sampled_phase(read) != anchor_phase:
             return  # the counter may sit on either side of its increment: not comparable
         before, self._anchor = self._anchor, read
         if before is None:
@@ -395,6 +403,26 @@ class SampledIterationClock:
         self._repair(lo, hi, increments - counted)
         self._held = [(t, "counter" if lo < t <= hi else how) for t, how in self._held]
         self._emit_until(hi)
+
+    def _sampled_phase(self, read: CounterRead) -> str | None:
+        """The phase of the run the samples show over the whole read (its dump's start
+        to its end); None when no one run spans it.
+
+        A read's own snapshot is one non-blocking dump, which races the running
+        interpreter and can mix in a stale frame (in CI, dumps inside a 150-250 ms
+        AdamW step said backward, and the repairs they drove doubled five ends in 54);
+        the samples' runs are confirmed over CONFIRM_NS and do not flicker.
+        """
+        t0, t1 = read.t_mono_ns, read.end_mono_ns
+        if self._run_phase is not None and self._run_since <= t0 and t1 < (
+                self._outside_since if self._outside_since is not None else self.watermark_ns):
+            return self._run_phase
+        for phase, start, end in reversed(self._past_runs):
+            if start <= t0 and t1 < end:
+                return phase
+            if end <= t0:
+                break  # (runs are in time order: none earlier spans it)
+        return None
 
     def _repair(self, lo: int, hi: int, missing: int) -> None:
         """Add ``missing`` ends (or remove ``-missing``) among the held ends in (lo, hi]."""
