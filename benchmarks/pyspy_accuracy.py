@@ -75,6 +75,7 @@ def one_run(python: str, seconds: float, target_args: list[str], folder: Path) -
                                str(seconds), "--output-dir", str(out)],
                               check=False, capture_output=True, text=True,
                               timeout=seconds + 120)
+        (folder / "agent.stderr").write_text(done.stderr)
         if done.returncode != 0:
             raise SystemExit(f"{python}: attach failed: {done.stderr[-2000:]}")
         version = subprocess.run([python, "-c", "import sys; print(sys.version.split()[0])"],
@@ -105,9 +106,13 @@ def main() -> None:
                         "--micro-batch-size 16 --optimizer sgd",
                         help="train_gpt.py's arguments (default: a short SGD step, ~1.5 ms "
                              "of ~150 ms, the hardest to sample)")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="keep each run's stamps and agent output here (to replay or "
+                             "inspect a run that was off), not in a temporary folder")
     args = parser.parse_args()
     results: dict[str, list[Run]] = {}
-    with tempfile.TemporaryDirectory(prefix="pyspy-accuracy-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pyspy-accuracy-") as scratch:
+        tmp = args.keep or Path(scratch)
         for n in range(args.runs):  # (interleaved, so drift in the machine's load is shared)
             for python in args.python:
                 run = one_run(python, args.seconds, args.target_args.split(),
