@@ -110,6 +110,8 @@ def main() -> None:
                         help="keep each run's stamps and agent output here (to replay or "
                              "inspect a run that was off), not in a temporary folder")
     args = parser.parse_args()
+    if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
+        parser.error(f"--keep {args.keep}: not empty (runs would mix with earlier ones)")
     results: dict[str, list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="pyspy-accuracy-") as scratch:
         tmp = args.keep or Path(scratch)
