@@ -383,6 +383,30 @@ class PySpySampler(Sampler[StackSample]):
         samples.sort(key=lambda s: (s.t_mono_ns, s.pid, s.tid))
         return samples
 
+    def quiet(self, now: int | None = None) -> bool:
+        """No window hands over near ``now``: none is attaching or writing its file,
+        none began sampling within a quarter window, none is due within one.
+
+        A handover is when a 2-core host is busiest (py-spy attaching, py-spy
+        writing its file): a ``dump --locals`` then races the target (stale
+        frames) and py-spy stamps the samples around it late (10-40 ms), so
+        the agent's reads of the job's counter wait for a quiet moment.
+        """
+        now = monotonic_ns() if now is None else now
+        margin = self.window_ns // 4
+        period = int(self.window_ns / self.duty)
+        for lane in self._lanes:
+            if lane.ended:
+                continue
+            if lane.pending is not None or lane.finishing:
+                return False
+            current = lane.current
+            if current is not None and now - (current.sampling_since_ns or now) < margin:
+                return False
+            if not self._settled and lane.last_launch_ns + period - now < margin:
+                return False
+        return True
+
     def set_duty(self, duty: float) -> None:
         """Sample this share of the time (0.01..1): one window every window_s / duty.
 

@@ -35,6 +35,10 @@ JOB_ITERATION_READS = 5
 JOB_ITERATION_SPACING_NS = 700_000_000
 JOB_ITERATION_REFRESH_NS = 60_000_000_000
 COUNTING_SPACING_NS = 2_000_000_000
+# A due read waits for a moment when no py-spy window hands over (PySpySampler.quiet:
+# a dump then can show stale frames, and the samples around it are stamped late),
+# but no longer than this, so a host too loaded to be quiet is still read.
+READ_HOLD_MAX_NS = 2_000_000_000
 # Without the job's counter every end comes from the samples, and py-spy's sampling
 # times are Poisson: a forward of 60-80 ms goes unsampled (two backward runs merge)
 # in 0.65% of iterations at 100 Hz and in none of 1813 at 200 Hz (e^-x (1 + x) at x
@@ -81,6 +85,7 @@ class StackSource(Source):
 
     def _start(self) -> None:
         self.sampler.start()
+        self._next_read_ns = monotonic_ns()  # the first read too waits for a quiet moment
 
     def set_duty(self, duty: float) -> None:
         """Sample this share of the time (bursts; 1 = continuously). Iterations from
@@ -108,7 +113,9 @@ class StackSource(Source):
         # (a window's samples_in record is timed now: it sorts after its phase spans)
         records += [StackWindow(now if samples_in else start, pid, start, samples_in)
                     for pid, start, samples_in in self.sampler.take_windows()]
-        if now >= self._next_read_ns and not self._final and not self._calls.busy():
+        held_ns = now - self._next_read_ns
+        if (held_ns >= 0 and not self._final and not self._calls.busy()
+                and (self.sampler.quiet(now) or held_ns >= READ_HOLD_MAX_NS)):
             self._reads += 1
             self._calls.submit("locals", self._read_locals)
             counting = self.clock is not None and (self._counter_found

@@ -174,6 +174,28 @@ def test_the_burst_in_flight_when_sampling_settles_is_read_and_none_follows(stea
         sampler.close()
 
 
+def test_quiet_is_false_near_every_window_launch_and_true_between(steady_target):
+    target = steady_target
+    polls: list[tuple[int, bool]] = []
+    launches: list[int] = []
+    with PySpySampler([target.pid]) as sampler:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            sampler.poll()
+            launches += [start for _, start, samples_in in sampler.take_windows()
+                         if not samples_in]
+            now = time.monotonic_ns()
+            polls.append((now, sampler.quiet(now)))
+            time.sleep(0.05)
+    margin = sampler.window_ns // 4
+    assert len(launches) >= 4
+    near = [(t, q) for t, q in polls if any(-margin <= t - s < margin for s in launches)]
+    assert near and not any(q for _, q in near), near
+    # every 1 s window leaves a quiet stretch once it samples
+    quiet_windows = {bisect.bisect(launches, t) for t, q in polls if q}
+    assert len(quiet_windows) >= len(launches) - 2, (launches, polls)
+
+
 def test_missing_pyspy_binary_says_how_to_install_it():
     sampler = PySpySampler([os.getpid()], executable="/nonexistent/py-spy")
     with pytest.raises(PrerequisiteMissing, match="pip install py-spy"):
