@@ -40,14 +40,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import psutil
 from perfmon.parsers.pyspy import (
@@ -64,6 +63,7 @@ from perfmon.probes.errors import (
     ProbeError,
     UnsuitableTarget,
 )
+from perfmon.probes.pyspy_windows import Lane, Window
 from perfmon.probes.sampler import Sampler, monotonic_ns
 
 DEFAULT_RATE_HZ = 100
@@ -78,7 +78,6 @@ PYSPY_STARTUP_NS = 1_000_000
 _DUMP_ATTEMPTS = 3
 _PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 _SAMPLES_LINE = re.compile(rb"Samples: (\d+) Errors: (\d+)")
-_SAMPLING_LINE = b"Sampling process"
 # RUST_BACKTRACE=1 (set in many dev shells) makes py-spy print a backtrace
 # after every error; we only want its "Error: ..." line.
 _ENV = {**os.environ, "RUST_BACKTRACE": "0"}
@@ -199,71 +198,6 @@ def _exited(pid: int) -> bool:
         return True
 
 
-def _read_available(fd: int) -> bytes:
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-@dataclass
-class _Window:
-    """One py-spy record process."""
-
-    proc: subprocess.Popen
-    output: str
-    origin_ns: int  # CLOCK_MONOTONIC of the chrometrace's ts = 0
-    stop_ns: int | None = None  # when we told it to stop; the next window covers from here
-    pause_after: bool = False  # stopped at the end of a burst: no window follows at once
-    sampling_since_ns: int | None = None  # when we saw it sampling
-    discarded: bool = False  # killed before it sampled (the session ended): no output
-    stdout: bytes = b""
-    stderr: bytes = b""
-
-    def read_pipes(self) -> None:
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.stdout += _read_available(self.proc.stdout.fileno())
-        self.stderr += _read_available(self.proc.stderr.fileno())
-
-    @property
-    def sampling(self) -> bool:
-        """py-spy has attached and prints its first line just before sampling."""
-        return _SAMPLING_LINE in self.stdout
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.stop_ns = monotonic_ns()
-            self.proc.send_signal(signal.SIGINT)  # py-spy stops and writes the file
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-
-
-@dataclass
-class _Lane:
-    """The windows of one target process, oldest first."""
-
-    pid: int
-    kernel_tids: dict[int, int]
-    current: _Window | None = None  # sampling
-    pending: _Window | None = None  # started, still attaching
-    finishing: list[_Window] = field(default_factory=list)  # stopped, not yet harvested
-    last_launch_ns: int = 0
-    covered_until_ns: int | None = None  # end of the samples delivered so far
-    ended: bool = False  # the target exited
-
-
 class PySpySampler(Sampler[StackSample]):
     """Stack samples of one or more processes from consecutive py-spy record windows.
 
@@ -296,7 +230,7 @@ class PySpySampler(Sampler[StackSample]):
         self.last_error: str | None = None
         self._windows: list[tuple[int, int, bool]] = []  # for take_windows()
         self._settled = False
-        self._lanes: list[_Lane] = []
+        self._lanes: list[Lane] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._launched = 0
 
@@ -316,13 +250,13 @@ class PySpySampler(Sampler[StackSample]):
         lanes = []
         for pid in self.pids:
             threads = dump_stacks(pid, executable=self.executable)
-            lanes.append(_Lane(pid, {t.pyspy_thread_id: t.tid for t in threads}))
+            lanes.append(Lane(pid, {t.pyspy_thread_id: t.tid for t in threads}))
         self._tmp = tempfile.TemporaryDirectory(prefix="perfmon-pyspy-")
         self._lanes = lanes
         for lane in self._lanes:
             lane.pending = self._launch(lane)
 
-    def _launch(self, lane: _Lane) -> _Window:
+    def _launch(self, lane: Lane) -> Window:
         assert self._tmp is not None and self.executable is not None
         self._launched += 1
         output = os.path.join(self._tmp.name, f"{lane.pid}-{self._launched}.json")
@@ -343,7 +277,7 @@ class PySpySampler(Sampler[StackSample]):
             assert pipe is not None
             os.set_blocking(pipe.fileno(), False)
         lane.last_launch_ns = t_spawn_ns
-        window = _Window(proc, output, t_spawn_ns + PYSPY_STARTUP_NS)
+        window = Window(proc, output, t_spawn_ns + PYSPY_STARTUP_NS)
         self._windows.append((lane.pid, window.origin_ns, False))
         return window
 
@@ -416,7 +350,7 @@ class PySpySampler(Sampler[StackSample]):
         """
         self.duty = min(1.0, max(MIN_DUTY, duty))
 
-    def _advance(self, lane: _Lane, now: int) -> None:
+    def _advance(self, lane: Lane, now: int) -> None:
         """Hand over from the current window to the next one once that one samples."""
         if lane.pending is not None:
             lane.pending.read_pipes()
@@ -445,12 +379,12 @@ class PySpySampler(Sampler[StackSample]):
         if due and lane.pending is None and not lane.ended and not self._settled:
             lane.pending = self._launch(lane)
 
-    def _harvest(self, lane: _Lane, window: _Window) -> list[StackSample]:
+    def _harvest(self, lane: Lane, window: Window) -> list[StackSample]:
         samples = [] if window.discarded else self._read_window(lane, window)
         self._windows.append((lane.pid, window.origin_ns, True))
         return samples
 
-    def _read_window(self, lane: _Lane, window: _Window) -> list[StackSample]:
+    def _read_window(self, lane: Lane, window: Window) -> list[StackSample]:
         window.read_pipes()
         window.kill()  # already exited: just reaps and closes the pipes
         counts = _SAMPLES_LINE.search(window.stdout)
@@ -479,7 +413,7 @@ class PySpySampler(Sampler[StackSample]):
             return []
         return self._join(lane, samples, window.stop_ns, window.pause_after)
 
-    def _join(self, lane: _Lane, samples: list[StackSample], stop_ns: int | None,
+    def _join(self, lane: Lane, samples: list[StackSample], stop_ns: int | None,
               pause_after: bool = False) -> list[StackSample]:
         """This window's samples from where the previous one stopped to where it was stopped.
 
@@ -512,7 +446,7 @@ class PySpySampler(Sampler[StackSample]):
 
     def _close(self) -> None:
         for lane in self._lanes:
-            windows: Iterable[_Window | None] = (lane.current, lane.pending, *lane.finishing)
+            windows: Iterable[Window | None] = (lane.current, lane.pending, *lane.finishing)
             for window in windows:
                 if window is not None:
                     window.kill()
