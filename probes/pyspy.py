@@ -419,7 +419,13 @@ class PySpySampler(Sampler[StackSample]):
 
         The next window already samples when we stop this one, and this one's
         last stack is only known up to its last sample, so the newer window
-        takes over from the moment of the stop.
+        takes over from the moment of the stop, except where its stack reaching
+        over the stop was first seen before the previous window's last one: there
+        the previous window's stack goes on until the newer window's next. (A
+        stack stands until py-spy sees a change, and a new window's first samples
+        can be 100 ms and more apart, py-spy reading a process it has just
+        attached to on a busy host: such a stack was a phase the thread had left,
+        backward inside an optimizer step, and an iteration was counted twice.)
         """
         if not samples:
             return []
@@ -434,14 +440,22 @@ class PySpySampler(Sampler[StackSample]):
         start = start if start is not None else samples[0].t_mono_ns
         lane.covered_until_ns = max(lane.covered_until_ns or 0, end)
         self.sampled_ns += max(0, end - start)
-        if pause_after:
-            lane.covered_until_ns = None  # a pause between bursts is no gap
         kept = []
         for s in samples:
             t0, t1 = max(s.t_mono_ns, start), min(s.t_mono_ns + s.duration_ns, end)
-            if t1 > t0:
-                kept.append(s if (t0, t1 - t0) == (s.t_mono_ns, s.duration_ns)
-                            else replace(s, t_mono_ns=t0, duration_ns=t1 - t0))
+            if t1 <= t0:
+                continue
+            seen = s
+            if s.t_mono_ns < t0:  # reaches over the stop: the later-seen stack wins
+                older = lane.last_seen.get(s.tid)
+                if older is not None and older.t_mono_ns > s.t_mono_ns:
+                    seen = older
+            lane.last_seen[s.tid] = seen
+            kept.append(seen if (t0, t1 - t0) == (seen.t_mono_ns, seen.duration_ns)
+                        else replace(seen, t_mono_ns=t0, duration_ns=t1 - t0))
+        if pause_after:
+            lane.covered_until_ns = None  # a pause between bursts is no gap
+            lane.last_seen = {}
         return kept
 
     def _close(self) -> None:

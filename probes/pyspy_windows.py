@@ -8,6 +8,7 @@ import signal
 import subprocess
 from dataclasses import dataclass, field
 
+from perfmon.parsers.pyspy import StackSample
 from perfmon.probes.sampler import monotonic_ns
 
 # py-spy prints this just before it samples: the window then covers from here on.
@@ -76,4 +77,6 @@ class Lane:
     finishing: list[Window] = field(default_factory=list)  # stopped, not yet harvested
     last_launch_ns: int = 0
     covered_until_ns: int | None = None  # end of the samples delivered so far
+    # Per thread, the latest stack delivered, unclipped (see PySpySampler._join).
+    last_seen: dict[int, StackSample] = field(default_factory=dict)
     ended: bool = False  # the target exited
