@@ -368,7 +368,9 @@ def plot_goodput(run: Run, plot_id: str) -> Plot | None:
         left += hours
     ax.set_yticks([])
     ax.set_xlabel("GPU-hours")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncols=4, fontsize=7)
+    # ("outside": the constrained layout makes room for it; a legend anchored below the
+    # axes by hand fell off the figure's bottom edge.)
+    fig.legend(loc="outside lower center", ncols=4, fontsize=7)
     ratio = ledger.get("ratio")
     title = "Goodput" + (f" {ratio:.1%}" if isinstance(ratio, int | float) else "")
     return Plot(plot_id, title,
