@@ -49,9 +49,17 @@ from perfmon.parsers.host_facts import (
     pyspy_version,
     tracefs_mount_points,
 )
-from perfmon.parsers.procfs import CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN, CAP_SYS_PTRACE
+from perfmon.parsers.procfs import (
+    CAP_BPF,
+    CAP_PERFMON,
+    CAP_SYS_ADMIN,
+    CAP_SYS_PTRACE,
+    mapped_file,
+    parse_maps,
+)
+from perfmon.probes.files import MappedLibrary
 from perfmon.probes.ftrace import TRACEFS_MOUNT_POINT, uprobe_events_root
-from perfmon.probes.procfs import agent_capabilities
+from perfmon.probes.procfs import agent_capabilities, read_proc
 from perfmon.probes.pyspy import find_pyspy
 from perfmon.probes.tracefs import check_tracefs_prerequisites
 from perfmon.probes.uprobes import (
@@ -340,7 +348,9 @@ def capabilities_check(caps: int) -> Check:
         lost.append("CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN): no eBPF (bcc)")
     if not _has(caps, CAP_SYS_ADMIN):
         lost.append("CAP_SYS_ADMIN: no tracefs backend, libraries opened by path "
-                    "(inode checked) rather than /proc/PID/map_files")
+                    "(inode checked) rather than /proc/PID/map_files, and on Linux 6.16+ "
+                    "(and stable kernels since mid-2025) bcc's uprobes only through tracefs "
+                    "uprobe_events (the kernel's uprobe PMU wants CAP_SYS_ADMIN)")
     kernel = kernel_version(os.uname().release) or (0, 0)
     for numbers, names, what, until in _OTHER_CAPABILITIES:
         if (until is None or kernel < until) and not all(_has(caps, c) for c in numbers):
@@ -397,15 +407,29 @@ def _stderr_captured(lines: list[str]) -> Iterator[None]:
 
 def compiled_and_attached() -> None:
     """Compile a trivial program with bcc, attach it as a uprobe on this process's own
-    getpid (filtered to this pid) and detach it; bcc's exception when it cannot."""
+    getpid (filtered to this pid) and detach it; bcc's exception when it cannot.
+
+    libc is named as the agent names a job's library, ``/proc/self/fd/N``: where the
+    kernel refuses the uprobe PMU (uprobes._attach_hint), bcc's tracefs fallback names
+    its event after the path, and bcc's own ``/proc/PID/root/usr/lib/...`` for "c"
+    exceeds the kernel's 64-character event name, failing where attach works.
+    """
     from bcc import BPF
 
-    pass_zero_ref_ctr_offset()  # as the agent attaches: never a stray USDT counter offset
-    bpf = BPF(text=b"int perfmon_doctor(void *ctx) { return 0; }")
+    libc = mapped_file(parse_maps(read_proc(os.getpid(), "maps")), "libc.so")  # type: ignore[arg-type]
+    if libc is None:
+        raise PerfmonError("the agent's own libc is not mapped (a static Python?)")
+    library = MappedLibrary(os.getpid(), libc)
     try:
-        bpf.attach_uprobe(name=b"c", sym=b"getpid", fn_name=b"perfmon_doctor", pid=os.getpid())
+        pass_zero_ref_ctr_offset()  # as the agent attaches: never a stray USDT counter offset
+        bpf = BPF(text=b"int perfmon_doctor(void *ctx) { return 0; }")
+        try:
+            bpf.attach_uprobe(name=library.probe_path.encode(), sym=b"getpid",
+                              fn_name=b"perfmon_doctor", pid=os.getpid())
+        finally:
+            close_bpf(bpf)
     finally:
-        close_bpf(bpf)
+        library.close()
 
 
 def nvml_check(needed: bool) -> Check:

@@ -53,8 +53,7 @@ iteration probe's trap at the same address when both run) and one ~250-byte
 ring buffer record per step. Set-up: ~0.5 s of BPF compilation plus one perf
 event per probed function per target (up to ~50).
 
-Needs: root, or CAP_SYS_PTRACE plus CAP_BPF + CAP_PERFMON (Linux >= 5.8) or
-CAP_SYS_ADMIN; bcc's Python module and kernel headers, as
+Needs: the capabilities, bcc's Python module and kernel headers of
 :mod:`perfmon.probes.uprobes`. x86-64 only (argument registers and the
 return-address read at function entry). CUDA 11.x/12.x (``cuLaunchKernelEx``
 and ``cudaLaunchKernelExC`` from 11.8 are probed where present); NCCL 2.x

@@ -16,7 +16,7 @@ that do not mark a step are rejected in the kernel after one 24-byte read.
 Set-up: ~0.5 s of BPF compilation.
 
 Needs: root, or CAP_SYS_PTRACE plus CAP_BPF + CAP_PERFMON (Linux >= 5.8) or
-CAP_SYS_ADMIN; bcc's
+CAP_SYS_ADMIN (on newer kernels, see :func:`_attach_hint`); bcc's
 Python module (Debian ``python3-bpfcc``); kernel headers for the running
 kernel (``/lib/modules/$(uname -r)/build``, ``$BCC_KERNEL_SOURCE`` or
 ``/sys/kernel/kheaders.tar.xz``); a PyTorch whose libtorch_cpu.so exports
@@ -103,11 +103,23 @@ def kernel_headers_dir() -> str | None:
     return "/sys/kernel/kheaders.tar.xz" if os.path.exists("/sys/kernel/kheaders.tar.xz") else None
 
 
+def _attach_hint() -> str:
+    """Why a uprobe attach may fail with the capabilities check passed: Linux 6.16 (and
+    stable kernels since mid-2025, upstream ba677dbe77af) want CAP_SYS_ADMIN for the
+    uprobe PMU, CAP_PERFMON no longer suffices; bcc then writes tracefs
+    ``uprobe_events``, which needs tracefs mounted and writable by the agent's uid."""
+    if agent_capabilities() >> CAP_SYS_ADMIN & 1:
+        return ""
+    return (" (without CAP_SYS_ADMIN newer kernels refuse the uprobe PMU and bcc must "
+            "write tracefs uprobe_events: run as root with CAP_SYS_ADMIN)")
+
+
 def check_ebpf_prerequisites() -> None:
     """Raise PrivilegeError or PrerequisiteMissing naming what the host lacks."""
     caps = agent_capabilities()
     # CAP_SYS_PTRACE: reading another process's maps and environ; CAP_BPF and
-    # CAP_PERFMON (both implied by CAP_SYS_ADMIN): loading BPF and attaching uprobes.
+    # CAP_PERFMON (both implied by CAP_SYS_ADMIN): loading BPF and attaching uprobes
+    # (through tracefs without CAP_SYS_ADMIN on newer kernels: see _attach_hint).
     needed = [CAP_SYS_PTRACE] + ([] if caps >> CAP_SYS_ADMIN & 1 else [CAP_BPF, CAP_PERFMON])
     missing = missing_capabilities(caps, needed)
     if missing:
@@ -326,7 +338,8 @@ class MarkerProbe(Source):
                 attached += 1
             except Exception as err:  # bcc raises bare Exception on attach failure
                 raise PrerequisiteMissing(
-                    f"pid {target.pid} ({target.name}): cannot attach uprobe to {sym}: {err}"
+                    f"pid {target.pid} ({target.name}): cannot attach uprobe to {sym}: "
+                    f"{err}{_attach_hint()}"
                 ) from err
         for sym in engine:
             self._bpf.attach_uprobe(

@@ -21,7 +21,7 @@ from perfmon.probes.capabilities import HOST_CHECK_NAMES
 from perfmon.probes.uprobes import COLLECTIVE_WAIT_SYMBOLS, ENGINE_EXECUTE_SYMBOL
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, _reap, wait_for
+from tests.conftest import ROOT, _reap, load_summary, wait_for
 from tests.prom import free_port, get
 
 pytestmark = pytest.mark.usefixtures("ebpf")
@@ -157,6 +157,27 @@ def test_unmounted_tracefs_that_cannot_be_mounted_fails_with_the_fix(agent) -> N
     assert "OOM kills are not attributed" in tracefs["fallback"]
     assert found["tracefs_backend"]["status"] == "failed"
     assert found["capabilities"]["status"] == "degraded"
+
+
+def test_without_cap_sys_admin_bcc_attaches_through_tracefs_as_attach_does(
+        agent, start_target, out_dir) -> None:
+    # Linux 6.16+ refuses the uprobe PMU to CAP_PERFMON without CAP_SYS_ADMIN; bcc then
+    # writes tracefs uprobe_events, named after the library path. The doctor's test
+    # uprobe must go the way attach's do (/proc/self/fd/N), or it fails where they work.
+    drop = ("setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin")
+    run, document = doctor(agent, prefix=drop)
+    found = checks(document)
+    assert found["bcc"]["status"] == "ok", found["bcc"]
+    assert found["capabilities"]["status"] == "degraded"
+    assert "uprobe PMU wants CAP_SYS_ADMIN" in found["capabilities"]["detail"]
+    assert run.returncode == 1
+    target = start_target()
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "4",
+                    "--iteration-source", "uprobe", "--output-dir", str(out_dir), prefix=drop)
+    assert run.returncode == 0, run.stderr
+    info = load_summary(out_dir)["session_info"]
+    assert (info["probe_backend"], info["iteration_source"]) == ("bcc", "uprobe")
+    assert info["total_iterations"] > 0
 
 
 def test_a_python_process_without_pytorch_is_refused_as_attach_refuses_it(
