@@ -42,7 +42,7 @@ SLURM_KEYS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS", "
 POD_KEYS = ("POD_NAME", "POD_NAMESPACE")
 JOB_KEYS = (*TORCH_KEYS, *SLURM_KEYS, *POD_KEYS)
 
-_TASKS = re.compile(r"(\d{1,6})(?:\(x(\d{1,6})\))?")
+_TASKS = re.compile(r"(\d{1,6})(?:\(x(\d{1,6})\))?", re.ASCII)
 
 
 def safe_name(text: str) -> str:
@@ -55,8 +55,14 @@ def safe_name(text: str) -> str:
     return f"{cleaned[:MAX_NAME - 9] or 'job'}-{digest}"
 
 
-def _number(value: str | None) -> int | None:
-    return int(value) if value and value.isdigit() and len(value) <= MAX_ID_DIGITS else None
+def decimal_number(value: str | None, max_digits: int = MAX_ID_DIGITS) -> int | None:
+    """A count or an id a process wrote: ASCII digits only, at most ``max_digits`` of
+    them; anything else (a sign, a space, ``'²'``, whose ``isdigit()`` is true and
+    ``int()`` raises, 10^30, an empty value) is None. Total: never raises."""
+    if not value or len(value) > max_digits or not (value.isascii() and value.isdigit()):
+        return None
+    return int(value)
+
 
 
 def _text(value: str | None) -> str | None:
@@ -69,21 +75,32 @@ def _text(value: str | None) -> str | None:
 
 def rank_number(env: dict[str, str]) -> int | None:
     """The process's rank: ``RANK``, else ``SLURM_PROCID`` (ranks started by srun)."""
-    rank = _number(env.get("RANK"))
-    return rank if rank is not None or "RANK" in env else _number(env.get("SLURM_PROCID"))
+    rank = decimal_number(env.get("RANK"))
+    return rank if rank is not None or "RANK" in env else decimal_number(env.get("SLURM_PROCID"))
 
 
 def world_size(env: dict[str, str]) -> int | None:
     """The job's ranks: ``WORLD_SIZE``, else ``SLURM_NTASKS`` (srun)."""
-    size = _number(env.get("WORLD_SIZE"))
-    return size if size is not None or "RANK" in env else _number(env.get("SLURM_NTASKS"))
+    size = decimal_number(env.get("WORLD_SIZE"))
+    return size if size is not None or "RANK" in env else decimal_number(env.get("SLURM_NTASKS"))
+
+
+def local_rank(env: dict[str, str]) -> int | None:
+    """The rank on this node: ``LOCAL_RANK``."""
+    return decimal_number(env.get("LOCAL_RANK"))
+
+
+def local_world_size(env: dict[str, str]) -> int:
+    """The ranks on this node the launcher says it starts (``LOCAL_WORLD_SIZE``), 0 when
+    not said (or beyond 10^5: not a node's ranks)."""
+    return decimal_number(env.get("LOCAL_WORLD_SIZE"), 5) or 0
 
 
 def slurm_tasks_here(env: dict[str, str]) -> int | None:
     """How many tasks of the srun step run on this node: this node's entry
     (``SLURM_NODEID``) of ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``: 2 on each of the
     first three nodes, 1 on the fourth)."""
-    node = _number(env.get("SLURM_NODEID"))
+    node = decimal_number(env.get("SLURM_NODEID"))
     text = env.get("SLURM_STEP_TASKS_PER_NODE", "")
     if node is None or not text or len(text) > 1024:
         return None
@@ -101,22 +118,24 @@ def slurm_tasks_here(env: dict[str, str]) -> int | None:
 def slurm_job(env: dict[str, str]) -> dict[str, Any] | None:
     """The Slurm job a rank belongs to (None: not started by Slurm): its id, step (None:
     the batch step), user, name and partition as Slurm set them."""
-    job_id = _number(env.get("SLURM_JOB_ID"))
+    job_id = decimal_number(env.get("SLURM_JOB_ID"))
     if job_id is None:
         return None
-    return {"job_id": job_id, "step_id": _number(env.get("SLURM_STEP_ID")),
+    return {"job_id": job_id, "step_id": decimal_number(env.get("SLURM_STEP_ID")),
             "user": _text(env.get("SLURM_JOB_USER")),
             "job_name": _text(env.get("SLURM_JOB_NAME")),
             "partition": _text(env.get("SLURM_JOB_PARTITION"))}
 
 
 def pod(env: dict[str, str], pod_uid: str | None) -> dict[str, str | None] | None:
-    """The Kubernetes pod a rank runs in (None: none): its UID (from the cgroup path)
-    and its name and namespace (from the downward API's variables, where set)."""
-    name, namespace = _text(env.get("POD_NAME")), _text(env.get("POD_NAMESPACE"))
-    if pod_uid is None and name is None and namespace is None:
+    """The Kubernetes pod a rank runs in (None: none): its UID (from a cgroup a kubelet
+    made) and its name and namespace (from the downward API's variables, where set).
+    Without the UID there is no pod: any process can set the variables, and a pod's
+    name and namespace label its metrics."""
+    if pod_uid is None:
         return None
-    return {"uid": pod_uid, "name": name, "namespace": namespace}
+    return {"uid": pod_uid, "name": _text(env.get("POD_NAME")),
+            "namespace": _text(env.get("POD_NAMESPACE"))}
 
 
 def scheduler_fields(env: dict[str, str], pod_uid: str | None) -> dict[str, Any]:

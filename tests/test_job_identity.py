@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from perfmon.parsers import job_identity as identity
 from perfmon.parsers.job_identity import (
     MAX_VALUE,
     job_identity,
@@ -85,3 +88,31 @@ def test_the_slurm_and_pod_fields_kept_are_bounded_data():
 def test_container_id_and_pod_uid_from_the_cgroup_path(cgroup, container, pod):
     ids = container_ids(cgroup)
     assert (ids.container_id, ids.pod_uid) == (container, pod)
+
+
+@given(st.text(max_size=40))
+def test_a_job_variable_of_any_text_is_a_number_or_none_never_an_error(text):
+    env = {key: text for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                 "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID",
+                                 "SLURM_NTASKS", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE")}
+    plain = text.isascii() and text.isdigit() and len(text) <= 12
+    expected = int(text) if plain else None
+    assert identity.rank_number(env) == expected
+    assert identity.world_size(env) == expected
+    assert identity.local_rank(env) == expected
+    assert identity.slurm_job(env) == (None if expected is None else {
+        "job_id": expected, "step_id": expected, "user": None, "job_name": None,
+        "partition": None})
+    identity.slurm_tasks_here(env)
+    identity.job_identity(env, "python-1")
+    assert identity.local_world_size(env) == (expected if plain and len(text) <= 5 else 0)
+
+
+@pytest.mark.parametrize(
+    "value", ["²", "٣", "-1", "+3", " 1", "1 ", str(10**30), "", "9" * 100_000])
+def test_unicode_digits_signs_and_huge_values_are_not_numbers(value):
+    env = {"RANK": value, "SLURM_PROCID": "2", "SLURM_JOB_ID": value, "LOCAL_WORLD_SIZE": value}
+    assert identity.rank_number(env) is None  # RANK given: never SLURM_PROCID's
+    assert identity.slurm_job(env) is None and identity.local_world_size(env) == 0
+    name, source = identity.job_identity(env, "python-1")
+    assert (name, source) == ("python-1", "launcher")

@@ -33,7 +33,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from perfmon.parsers.job_identity import job_identity, rank_number, slurm_tasks_here
+from perfmon.parsers.job_identity import (
+    job_identity,
+    local_world_size,
+    rank_number,
+    slurm_tasks_here,
+)
 from perfmon.probes.discovery import Snapshot
 
 # Launchers known by name: one is a launcher even before its ranks exist (it has
@@ -70,11 +75,6 @@ def is_launcher_command(argv: list[str]) -> bool:
     return any(_LAUNCHER.search(arg) for arg in argv[:3])
 
 
-def _local_world_size(env: dict[str, str]) -> int:
-    value = env.get("LOCAL_WORLD_SIZE", "")
-    return int(value) if value.isdigit() and len(value) < 6 else 0
-
-
 def _job_key(snapshot: Snapshot, rank_env: dict[str, str], root: int
              ) -> tuple[tuple[object, ...], str, str]:
     """(the job's key, name, id_from). The key holds the owner and the pid namespace, so
@@ -95,9 +95,12 @@ def _job_key(snapshot: Snapshot, rank_env: dict[str, str], root: int
     return key, name, id_from
 
 
-def find_jobs(snapshot: Snapshot, accepts: Callable[[str, int], bool]) -> list[FoundJob]:
+def find_jobs(snapshot: Snapshot, accepts: Callable[[str, int], bool],
+              skipped: Callable[[int, Exception], None]) -> list[FoundJob]:
     """The jobs of a scan. ``accepts(command line, uid)``: the include/exclude rules,
-    applied to every candidate rank and launcher."""
+    applied to every candidate rank and launcher. A process whose data cannot be read
+    into a job is that process's problem: ``skipped(pid, error)`` is told and the scan
+    goes on with every other job (a user controls what their processes hold)."""
     candidates = {
         pid for pid, info in snapshot.processes.items()
         if snapshot.has_torch(pid) and accepts(" ".join(snapshot.cmdline(pid)), info.uid)
@@ -106,38 +109,47 @@ def find_jobs(snapshot: Snapshot, accepts: Callable[[str, int], bool]) -> list[F
                    if not any(a in candidates for a in snapshot.ancestors(p)))
     jobs: dict[tuple[object, ...], FoundJob] = {}
     for root in roots:
-        ranks, expected, launcher, srun_task = [root], 1, None, False
-        env = snapshot.environ(root)
-        if "RANK" not in env:
-            below = [d for d in snapshot.descendants(root) if snapshot.is_python(d)]
-            with_rank = {d for d in below if "RANK" in snapshot.environ(d)}
-            top = [d for d in with_rank
-                   if not any(a in with_rank for a in snapshot.ancestors(d))]
-            if top or is_launcher_command(snapshot.cmdline(root)):
-                launcher = root
-                ranks = [d for d in top if snapshot.has_torch(d) and d in candidates]
-                # All the node's ranks: the launcher may not have started them all yet.
-                expected = max([len(top), 1, *(_local_world_size(snapshot.environ(d))
-                                               for d in top)])
-                env = snapshot.environ(top[0]) if top else env
-            elif "SLURM_PROCID" in env:  # a task srun started: the step's tasks on this node
-                srun_task, expected = True, slurm_tasks_here(env) or 1
-        key, name, id_from = _job_key(snapshot, env, root)
-        job = jobs.get(key)
-        if job is None:
-            ids, namespace = snapshot.container(root)
-            job = jobs[key] = FoundJob(key, name, id_from, snapshot.processes[root].uid,
-                                       container_id=ids.container_id, pod_uid=ids.pod_uid,
-                                       pid_namespace=namespace, env=env)
-        job.ranks.extend(ranks)
-        # (srun's tasks each say how many the node has: counted once)
-        job.expected = max(job.expected, expected) if srun_task else job.expected + expected
-        if launcher is not None:
-            job.launchers.append(launcher)
+        try:
+            _add_root(snapshot, candidates, root, jobs)
+        except Exception as err:  # any bug on data a user controls: that job's alone
+            skipped(root, err)
     for job in jobs.values():
         job.rank_of = {pid: rank_number(snapshot.environ(pid)) for pid in job.ranks}
         job.ranks.sort(key=lambda pid: (_sort_rank(job.rank_of[pid]), pid))
     return list(jobs.values())
+
+
+def _add_root(snapshot: Snapshot, candidates: set[int], root: int,
+              jobs: dict[tuple[object, ...], FoundJob]) -> None:
+    """The ranks and launcher below one topmost candidate, added to their job."""
+    ranks, expected, launcher, srun_task = [root], 1, None, False
+    env = snapshot.environ(root)
+    if "RANK" not in env:
+        below = [d for d in snapshot.descendants(root) if snapshot.is_python(d)]
+        with_rank = {d for d in below if "RANK" in snapshot.environ(d)}
+        top = [d for d in with_rank
+               if not any(a in with_rank for a in snapshot.ancestors(d))]
+        if top or is_launcher_command(snapshot.cmdline(root)):
+            launcher = root
+            ranks = [d for d in top if snapshot.has_torch(d) and d in candidates]
+            # All the node's ranks: the launcher may not have started them all yet.
+            expected = max([len(top), 1, *(local_world_size(snapshot.environ(d))
+                                           for d in top)])
+            env = snapshot.environ(top[0]) if top else env
+        elif "SLURM_PROCID" in env:  # a task srun started: the step's tasks on this node
+            srun_task, expected = True, slurm_tasks_here(env) or 1
+    key, name, id_from = _job_key(snapshot, env, root)
+    job = jobs.get(key)
+    if job is None:
+        ids, namespace = snapshot.container(root)
+        job = jobs[key] = FoundJob(key, name, id_from, snapshot.processes[root].uid,
+                                   container_id=ids.container_id, pod_uid=ids.pod_uid,
+                                   pid_namespace=namespace, env=env)
+    job.ranks.extend(ranks)
+    # (srun's tasks each say how many the node has: counted once)
+    job.expected = max(job.expected, expected) if srun_task else job.expected + expected
+    if launcher is not None:
+        job.launchers.append(launcher)
 
 
 def _sort_rank(rank: int | None) -> int:

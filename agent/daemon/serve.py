@@ -18,7 +18,7 @@ from typing import Any
 from perfmon.agent.argtypes import Command
 from perfmon.agent.daemon.config import DEFAULT_CONFIG_PATH, ServiceConfig, load_config
 from perfmon.agent.daemon.notify import Notifier
-from perfmon.agent.daemon.tracker import JobTracker, agent_figures, log
+from perfmon.agent.daemon.tracker import JobTracker, agent_figures, log, one_line
 from perfmon.agent.measure.exposition import CapabilityGauge
 from perfmon.agent.measure.heap import limit_malloc_arenas
 from perfmon.agent.measure.metrics import start_metrics
@@ -108,7 +108,10 @@ def serve_main(args: argparse.Namespace) -> int:
                 notifier.ready("configuration reloaded")
             if now >= next_scan:
                 next_scan = now + config.scan_interval_s
-                tracker.tick(now)
+                try:
+                    tracker.tick(now)
+                except Exception as err:  # never the service's end: the next scan retries
+                    log(f"scan failed, retried at the next: {one_line(err)}")
                 agent_figures(metrics, tracker.running)
                 text = f"watching {tracker.running} job(s)"
                 if text != status:

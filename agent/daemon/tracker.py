@@ -52,7 +52,7 @@ from perfmon.agent.options import AttachOptions
 from perfmon.agent.record.layout import job_folder
 from perfmon.agent.record.outputs import OutputDir
 from perfmon.parsers.errors import PerfmonError
-from perfmon.parsers.job_identity import safe_name, scheduler_fields, world_size
+from perfmon.parsers.job_identity import local_rank, safe_name, scheduler_fields, world_size
 from perfmon.probes.discovery import ProcessScan
 from perfmon.probes.errors import ProbeError
 from perfmon.probes.procfs import TargetProcess, inspect_process, user_name
@@ -198,6 +198,7 @@ class JobTracker:
         if jobs_root is not None:
             self.host_folder = OutputDir.open(jobs_root / safe_name(self.host))
         self._next_prune_s = 0.0
+        self._skipped: dict[int, str] = {}  # pid -> why, as last said
 
     def reconfigure(self, config: ServiceConfig) -> None:
         self.config = config
@@ -210,7 +211,10 @@ class JobTracker:
     # -- one scan -------------------------------------------------------------------------
 
     def tick(self, now_s: float) -> None:
-        found = {j.key: j for j in find_jobs(self.scan.scan(now_s), self.config.accepts)}
+        skipped: dict[int, str] = {}
+        found = {j.key: j for j in find_jobs(self.scan.scan(now_s), self.config.accepts,
+                                             lambda pid, err: skipped.update({pid: one_line(err)}))}
+        self._say_skipped(skipped)
         for key, f in found.items():
             job = self.jobs.get(key)
             if job is None:
@@ -224,10 +228,10 @@ class JobTracker:
             f = found.get(key)
             if job.runner is not None:
                 if f is not None and f.ready:
-                    self._restart_for_new_ranks(job, f, now_s)
+                    self._isolated(job, now_s, self._restart_for_new_ranks, job, f, now_s)
                 continue
             if f is None:
-                self._finish(job, "ended")
+                self._isolated(job, now_s, self._finish, job, "ended")
                 del self.jobs[key]
                 continue
             if now_s < job.next_try_s or not f.ranks:
@@ -239,6 +243,23 @@ class JobTracker:
         if self.host_folder is not None and now_s >= self._next_prune_s:
             self._next_prune_s = now_s + PRUNE_INTERVAL_S
             self.prune(time.time())
+
+    def _say_skipped(self, skipped: dict[int, str]) -> None:
+        """One line per process whose data could not be read into a job, once while it
+        stays unreadable (it is scanned again every tick)."""
+        for pid, why in skipped.items():
+            if self._skipped.get(pid) != why:
+                self.log(f"pid {pid}: skipped (its data cannot be read into a job): {why}")
+        self._skipped = skipped
+
+    def _isolated(self, job: TrackedJob, now_s: float, step: Callable[..., None],
+                  *args: Any) -> None:
+        """One job's step; a failure (a bug on data its user controls) is that job's:
+        it is retried with back-off like a failed attach, and every other job goes on."""
+        try:
+            step(*args)
+        except Exception as err:
+            self._failed(job, now_s, one_line(err))
 
     def _restart_for_new_ranks(self, job: TrackedJob, found: FoundJob, now_s: float) -> None:
         """Ranks the session does not watch that fit the job: the next session takes them
@@ -272,7 +293,7 @@ class JobTracker:
                 blocked += job.yielded == 0
                 self._limited(job, "max_jobs", f"{cfg.max_jobs} jobs are (max_jobs)")
                 continue
-            self._start(job, now_s)
+            self._isolated(job, now_s, self._start, job, now_s)
             if job.runner is not None:
                 per_user[job.user] += 1
         if blocked:
@@ -332,7 +353,7 @@ class JobTracker:
             return
         job.limited = None
         job.record["ranks"] = [{"pid": t.pid, "rank": t.rank,
-                                "local_rank": _int_or_none(t.environ.get("LOCAL_RANK"))}
+                                "local_rank": local_rank(t.environ)}
                                for t in targets]
         self._write_record(job)
         output_dir = (self.host_folder.path / job.folder.path.name
@@ -491,7 +512,3 @@ def _job_so_far(goodput: Any, end_ns: Any) -> dict[str, Any] | None:
     return {"ledger": goodput.get("job") or goodput, "end_mono_ns": end_ns,
             "last_end_mono_ns": goodput.get("last_end_mono_ns"),
             "last_job_iteration": goodput.get("last_job_iteration")}
-
-
-def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value and value.isdigit() and len(value) < 10 else None
