@@ -31,7 +31,7 @@ reaped it, else with no status (``source`` unobserved) — never a guess.
 
 Cost: one netlink message per task exiting on the host (filtered to exits by
 the kernel since Linux 6.6; by ``poll()`` before), read without blocking; a
-psutil check of each unfinished target per poll; ~20 ms at start per target
+read of /proc/PID/stat for each unfinished target per poll; ~20 ms at start per target
 (a child process that opens its outputs as its user) and ~10 ms per poll that
 sees exits (a child that reads the tails, killed after 1 s). Memory: the
 instance's ring buffer (64 KiB per CPU) and a 4 MiB socket buffer.
@@ -56,7 +56,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.events import RankExit, Record
 from perfmon.parsers.exit_causes import CAUSES, classify_log_tail, describe_status
@@ -76,7 +75,7 @@ from perfmon.probes.job_files import (
     open_job_outputs,
     read_file_tails,
 )
-from perfmon.probes.procfs import TargetProcess
+from perfmon.probes.procfs import TargetProcess, process_state
 from perfmon.probes.sampler import Source, monotonic_ns
 
 NETLINK_CONNECTOR = 11  # linux/netlink.h: the connector's netlink protocol
@@ -122,15 +121,8 @@ def _zombie_status(pid: int) -> int | None:
 
 def _state(target: TargetProcess) -> str:
     """"alive", "zombie" (exited, not reaped) or "gone" (reaped, or its pid reused)."""
-    try:
-        process = psutil.Process(target.pid)
-        if process.create_time() != target.create_time:
-            return "gone"
-        return "zombie" if process.status() == psutil.STATUS_ZOMBIE else "alive"
-    except psutil.NoSuchProcess:
-        return "gone"
-    except psutil.Error:
-        return "alive"  # cannot tell: look again at the next poll
+    state = process_state(target)
+    return "alive" if state == "unknown" else state  # cannot tell: look again at the next poll
 
 
 @dataclass

@@ -16,7 +16,8 @@ import os
 import pwd
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from stat import S_ISDIR
 from typing import Any
 
 import psutil
@@ -32,6 +33,7 @@ from perfmon.parsers.job_identity import (
 from perfmon.probes.errors import (
     NoSuchProcess,
     PrivilegeError,
+    ProbeError,
     UnsuitableTarget,
     process_errors,
 )
@@ -51,9 +53,13 @@ class TargetProcess:
     cmdline: list[str]
     environ: dict[str, str]
     torch_library: str  # path as the target sees it (inside its mount namespace)
-    create_time: float
+    create_time: float  # wall-clock seconds: for showing and dating, never for identity
     torch_mapping: procfs.MappedFile | None = None  # its first mapping (for map_files)
     uid: int = -1  # its effective uid (the owner of its /proc entry); -1: not read
+    # Clock ticks after boot (/proc/PID/stat field 22): with the pid, names one process
+    # for good. create_time adds the kernel's btime, which moves by a second when the
+    # wall clock is slewed, so comparing it took live ranks for exited ones.
+    start_ticks: int = -1
 
     @property
     def rank(self) -> int | None:
@@ -84,7 +90,7 @@ class TargetProcess:
 # size of its argv and environment (up to a quarter of its stack limit, which
 # may be unlimited) and, within vm.max_map_count, of its maps.
 _READ_LIMITS = {"cmdline": 1 << 20, "environ": 4 << 20, "maps": 64 << 20, "status": 64 << 10,
-                "schedstat": 256, "cgroup": 64 << 10}
+                "schedstat": 256, "cgroup": 64 << 10, "stat": 4096}
 # What of a command line is kept in the summary (each argument, and in all).
 CMDLINE_ARG_CHARS = 4096
 CMDLINE_TOTAL_CHARS = 65536
@@ -92,9 +98,10 @@ CMDLINE_TOTAL_CHARS = 65536
 MAX_DESCENDANTS = 4096
 
 
-def read_proc(pid: int, name: str, binary: bool = False) -> str | bytes:
-    """``/proc/<pid>/<name>``, at most its size limit; NoSuchProcess or PrivilegeError."""
-    path = f"/proc/{pid}/{name}"
+def read_proc(pid: int, name: str, binary: bool = False, proc: str = "/proc") -> str | bytes:
+    """``/proc/<pid>/<name>``, at most its size limit; NoSuchProcess or PrivilegeError.
+    ``proc``: another root for /proc (captured files)."""
+    path = f"{proc}/{pid}/{name}"
     with process_errors(pid, reading=path), open(path, "rb") as f:
         data = f.read(_READ_LIMITS[name])
     return data if binary else data.decode("utf-8", "replace")
@@ -129,14 +136,39 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
+# Where the cgroup hierarchies are mounted: v2 (or v1's one folder per hierarchy) under
+# the first, v2 under the second on a hybrid host.
+CGROUP_MOUNTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+
+
+def _made_by_root(folder: str) -> bool:
+    """Whether the cgroup ``folder`` (relative to the mounts) is root's: a kubelet's,
+    not one that a user made in a subtree delegated to them (those folders are the
+    user's). Never followed through a link."""
+    for mount in CGROUP_MOUNTS:
+        try:
+            st = os.lstat(os.path.join(mount, folder))
+        except OSError:
+            continue
+        return S_ISDIR(st.st_mode) and st.st_uid == 0
+    return False
+
+
+def believed(ids: procfs.ContainerIds) -> procfs.ContainerIds:
+    """``ids`` without the pod where its cgroup folder is not root's."""
+    if ids.pod_cgroup is None or _made_by_root(ids.pod_cgroup):
+        return ids
+    return replace(ids, pod_uid=None, pod_cgroup=None)
+
+
 def container_of(pid: int) -> procfs.ContainerIds:
     """The container id and Kubernetes pod UID of a process, from its cgroup path (None
-    each when it has none, or is gone)."""
+    each when it has none, or is gone; no pod where a user, not a kubelet, made it)."""
     try:
         text = read_proc(pid, "cgroup")
     except (NoSuchProcess, PrivilegeError):
         return procfs.ContainerIds()
-    return procfs.container_ids(str(text))
+    return believed(procfs.container_ids(str(text)))
 
 
 def target_job(target: TargetProcess, host: str) -> dict[str, Any]:
@@ -163,6 +195,7 @@ def inspect_process(pid: int) -> TargetProcess:
     if state == psutil.STATUS_ZOMBIE:
         raise UnsuitableTarget(
             f"pid {pid} ({name}): is a zombie (it exited; its parent has not reaped it)")
+    start_ticks = _stat(pid).start_ticks
     cmdline = procfs.parse_cmdline(read_proc(pid, "cmdline", binary=True))  # type: ignore[arg-type]
     mappings = procfs.parse_maps(read_proc(pid, "maps"))  # type: ignore[arg-type]
     exe = os.path.basename(cmdline[0]) if cmdline else name
@@ -183,7 +216,7 @@ def inspect_process(pid: int) -> TargetProcess:
         read_proc(pid, "environ", binary=True), ENVIRON_KEYS  # type: ignore[arg-type]
     )
     return TargetProcess(pid, name, cmdline, environ, torch_mapping.path, create_time,
-                         torch_mapping, uid)
+                         torch_mapping, uid, start_ticks)
 
 
 def resolve_targets(pid: int) -> list[TargetProcess]:
@@ -242,13 +275,29 @@ def _rank_environ(pid: int) -> dict[str, str]:
         return {}
 
 
+def _stat(pid: int, proc: str = "/proc") -> procfs.ProcStat:
+    """/proc/PID/stat parsed; NoSuchProcess or PrivilegeError (ValueError: not a stat)."""
+    return procfs.parse_stat(read_proc(pid, "stat", proc=proc))  # type: ignore[arg-type]
+
+
+def process_state(target: TargetProcess, proc: str = "/proc") -> str:
+    """"alive", "zombie" (exited, not reaped), "gone" (reaped, or its pid reused: another
+    start time) or "unknown" (cannot be read now: look again later). Never the boot
+    time (btime), which moves with the wall clock: ``proc`` is another root for /proc."""
+    try:
+        stat = _stat(target.pid, proc)
+    except NoSuchProcess:
+        return "gone"
+    except (ProbeError, ValueError):
+        return "unknown"
+    if stat.start_ticks != target.start_ticks:
+        return "gone"
+    return "zombie" if stat.state == "Z" else "alive"
+
+
 def is_running(target: TargetProcess) -> bool:
     """True while the same process (pid and start time) is alive and not a zombie."""
-    try:
-        proc = psutil.Process(target.pid)
-        return proc.create_time() == target.create_time and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    return process_state(target) == "alive"
 
 
 def agent_capabilities() -> int:
