@@ -199,16 +199,28 @@ class ContainerIds:
 
     container_id: str | None = None
     pod_uid: str | None = None
+    # The pod's cgroup folder, relative to the cgroup mounts (v2: its path; v1: the
+    # hierarchy's folder, e.g. "memory/kubepods/besteffort/pod<UID>"). A path is only a
+    # name: whoever was delegated a subtree can make a "kubepods-pod<UID>" folder in it,
+    # so the pod is believed only where a kubelet (root) owns that folder
+    # (perfmon.probes.discovery).
+    pod_cgroup: str | None = None
 
 
 def container_ids(cgroup_text: str) -> ContainerIds:
     """The container id and pod UID of a process from /proc/PID/cgroup (None each where
     no runtime or Kubernetes named it in the cgroup path)."""
-    cid = uid = None
+    cid = uid = folder = None
     for line in cgroup_text.splitlines():
-        path = line.split(":", 2)[-1]
+        parts = line.split(":", 2)  # hierarchy id, controllers (v2: none), path
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         if cid is None and (match := _CONTAINER_ID.search(path)):
             cid = match.group(1) or match.group(2)
         if uid is None and (found := _POD_UID.search(path)):
             uid = found.group(1).replace("_", "-")
-    return ContainerIds(cid, uid)
+            hierarchy = controllers.removeprefix("name=")
+            folder = (f"{hierarchy}/" if hierarchy else "") + path[:found.end(1)].lstrip("/")
+            folder += ".slice" if path[found.end(1):].startswith(".slice") else ""
+    return ContainerIds(cid, uid, folder)

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from perfmon.parsers import procfs
-from perfmon.probes.procfs import ENVIRON_KEYS, TORCH_LIBRARY_PREFIX
+from perfmon.probes.procfs import ENVIRON_KEYS, TORCH_LIBRARY_PREFIX, believed
 
 _PYTHON_EXE = re.compile(r"^(python|pypy)[0-9.]*[a-z]*$")
 _MAPS_LIMIT = 64 << 20
@@ -139,8 +139,8 @@ class Snapshot:
             return procfs.ContainerIds(), None
         if entry.container is None:
             cgroup = _read(f"/proc/{pid}/cgroup", _SMALL_LIMIT)
-            ids = (procfs.container_ids(cgroup.decode("utf-8", "replace")) if cgroup
-                   else procfs.ContainerIds())
+            ids = (believed(procfs.container_ids(cgroup.decode("utf-8", "replace")))
+                   if cgroup else procfs.ContainerIds())
             try:
                 ns = os.readlink(f"/proc/{pid}/ns/pid")
                 own = os.readlink("/proc/self/ns/pid")

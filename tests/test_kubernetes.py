@@ -7,6 +7,7 @@ the agent: docs/deploy, test_deploy.py.)"""
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import subprocess
@@ -17,8 +18,11 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from perfmon.probes.discovery import ProcessScan
+from perfmon.probes.procfs import TargetProcess, container_of, target_job
 
 from tests.conftest import SUMMARY_SCHEMA, TRAIN_GPT, Target, _reap, wait_for
+from tests.test_security import other_user  # noqa: F401  (an ordinary user)
 from tests.test_service import Service
 
 pytestmark = pytest.mark.usefixtures("ebpf")
@@ -107,3 +111,49 @@ def test_a_rank_in_a_pod_has_its_pod_uid_container_id_and_names_in_its_record(
         if job is not None:
             _reap(job)
         service.close()
+
+
+def test_a_pod_named_in_a_cgroup_a_user_made_is_no_pod(other_user) -> None:  # noqa: F811
+    """A user delegated a cgroup subtree names a folder in it as a kubelet would and sets
+    the downward API's variables: no pod UID, no pod name or namespace (they would label
+    the metrics of a pod the user does not run). A folder root made: the pod."""
+
+    root = cgroup2_mount()
+    delegated = root / f"perfmon-test-delegated-{uuid.uuid4().hex[:6]}"
+    pod_uid = str(uuid.uuid4())
+    claimed = delegated / f"kubepods-besteffort-pod{pod_uid.replace('-', '_')}.slice"
+    delegated.mkdir()
+    proc = None
+    try:
+        os.chown(delegated, other_user.pw_uid, other_user.pw_gid)
+        subprocess.run(["setpriv", f"--reuid={other_user.pw_uid}",
+                        f"--regid={other_user.pw_gid}", "--clear-groups", "mkdir",
+                        str(claimed)], check=True)
+        proc = subprocess.Popen(
+            ["setpriv", f"--reuid={other_user.pw_uid}", f"--regid={other_user.pw_gid}",
+             "--clear-groups", sys.executable, "-c", "import time; time.sleep(60)"],
+            env={"POD_NAME": "victim-0", "POD_NAMESPACE": "prod"}, start_new_session=True)
+        (claimed / "cgroup.procs").write_text(str(proc.pid))
+        assert "kubepods-besteffort-pod" in Path(f"/proc/{proc.pid}/cgroup").read_text()
+        assert container_of(proc.pid).pod_uid is None
+        snapshot = ProcessScan().scan(0.0)
+        assert snapshot.container(proc.pid)[0].pod_uid is None
+        target = TargetProcess(proc.pid, "python", [], {"POD_NAME": "victim-0",
+                                                        "POD_NAMESPACE": "prod"}, "", 0.0)
+        assert target_job(target, "host")["pod"] is None
+        # The same name made by root (a kubelet) is the pod.
+        claimed_by_root = delegated / f"kubepods-pod{pod_uid.replace('-', '_')}.slice"
+        claimed_by_root.mkdir()
+        os.chown(claimed_by_root, 0, 0)
+        (claimed_by_root / "cgroup.procs").write_text(str(proc.pid))
+        assert container_of(proc.pid).pod_uid == pod_uid
+        assert target_job(target, "host")["pod"] == {"uid": pod_uid, "name": "victim-0",
+                                                     "namespace": "prod"}
+    finally:
+        if proc is not None:
+            _reap(proc)
+        for folder in [*sorted(delegated.rglob("*.slice"), reverse=True), delegated]:
+            if folder.is_dir():
+                for pid in (folder / "cgroup.procs").read_text().split():
+                    (root / "cgroup.procs").write_text(pid)
+                folder.rmdir()
