@@ -427,7 +427,7 @@ def compiled_and_attached() -> None:
             bpf.attach_uprobe(name=library.probe_path.encode(), sym=b"getpid",
                               fn_name=b"perfmon_doctor", pid=os.getpid())
         finally:
-            close_bpf(bpf)
+            close_bpf(bpf, [library])
     finally:
         library.close()
 

@@ -378,7 +378,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
 
     def _close(self) -> None:
         if self._bpf is not None:
-            close_bpf(self._bpf)
+            close_bpf(self._bpf, self._libraries)
             self._bpf = None
         for library in self._libraries:
             library.close()

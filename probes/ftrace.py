@@ -385,8 +385,9 @@ def _agent_alive(pid: int, instance_ctimes: list[float]) -> bool:
 def remove_stale_probes(root: str) -> list[str]:
     """Remove the uprobe events and instances of perfmon agents that no longer run.
 
-    Only groups ``perfmon_<pid>`` and instances ``perfmon_<pid>_<hex>`` are
-    looked at; those of a live agent are left alone. Returns warnings for what
+    Only groups ``perfmon_<pid>``, instances ``perfmon_<pid>_<hex>`` and libbcc's
+    events on the agent's ``/proc/self/fd/N`` paths are looked at; those of a live
+    process are left alone. Returns warnings for what
     could not be removed (e.g. an event someone enabled in another instance).
     """
     warnings: list[str] = []
@@ -431,6 +432,57 @@ def remove_stale_probes(root: str) -> list[str]:
             warning = remove_uprobe_event(root, f"{GROUP_PREFIX}{pid}", event)
             if warning:
                 warnings.append(f"{warning} (stale: agent pid {pid} is gone)")
+    for event, path, pid in bcc_uprobe_events(root):
+        if AGENT_PROBE_PATH.fullmatch(path) and not _agent_alive(pid, []):
+            warning = remove_uprobe_event(root, "uprobes", event)
+            if warning:
+                warnings.append(f"{warning} (stale: agent pid {pid} is gone)")
+    return warnings
+
+
+# libbcc's names for the uprobe events it makes in tracefs where the perf uprobe PMU
+# refuses an attach (a target that exited: ESRCH): <p|r>_<path, each character but
+# [A-Za-z0-9_] made "_">_0x<offset>_<target pid>_bcc_<attaching pid>. When opening the
+# event then fails too, libbcc leaves it behind (issue 36: 36 after 200 short-lived
+# processes, outliving the agent). The agent attaches through /proc/self/fd/N alone
+# (perfmon.probes.files.MappedLibrary): a path no bcc tool is given by hand.
+_BCC_EVENT_LINE = re.compile(r"^[pr]:uprobes/([pr]_(\w+?)_0x[0-9a-f]+_\d+_bcc_(\d+))\s")
+AGENT_PROBE_PATH = re.compile(r"_proc_self_fd_\d+")
+
+
+def bcc_probe_path(path: str) -> str:
+    """``path`` as it stands in libbcc's event names."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", path)
+
+
+def bcc_event_roots() -> list[str]:
+    """The tracefs roots with uprobe events, where libbcc may have made some."""
+    roots = [*_tracefs_mounts(), TRACEFS_MOUNT_POINT, DEBUGFS_TRACING]
+    return [r for i, r in enumerate(roots) if r not in roots[:i]
+            and os.path.exists(os.path.join(r, "uprobe_events"))]
+
+
+def bcc_uprobe_events(root: str) -> list[tuple[str, str, int]]:
+    """(event, probed path as named, the attaching pid) of every uprobe event of libbcc's
+    in tracefs ``root`` ([] where it cannot be read)."""
+    try:
+        lines = _read_text(os.path.join(root, "uprobe_events")).splitlines()
+    except OSError:
+        return []
+    return [(m[1], m[2], int(m[3])) for line in lines if (m := _BCC_EVENT_LINE.match(line))]
+
+
+def remove_bcc_uprobe_events(paths: set[str], pid: int) -> list[str]:
+    """Remove libbcc's uprobe events that process ``pid`` made on ``paths`` (probe paths,
+    as given to bcc); warnings for those that cannot be (e.g. still in use)."""
+    named = {bcc_probe_path(p) for p in paths}
+    warnings = []
+    for root in bcc_event_roots():
+        for event, path, made_by in bcc_uprobe_events(root):
+            if made_by == pid and path in named:
+                warning = remove_uprobe_event(root, "uprobes", event)
+                if warning:
+                    warnings.append(warning)
     return warnings
 
 

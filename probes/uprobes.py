@@ -29,6 +29,7 @@ import ctypes
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from importlib import resources
 from typing import Any
 
@@ -43,6 +44,7 @@ from perfmon.parsers.procfs import (
 )
 from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError, SymbolNotFound
 from perfmon.probes.files import MappedLibrary, PathRefused
+from perfmon.probes.ftrace import remove_bcc_uprobe_events
 from perfmon.probes.procfs import TargetProcess, agent_capabilities
 from perfmon.probes.sampler import Source
 
@@ -430,20 +432,23 @@ class MarkerProbe(Source):
 
     def _close(self) -> None:
         if self._bpf is not None:
-            close_bpf(self._bpf)
+            close_bpf(self._bpf, self._libraries.values())
             self._bpf = None
         for library in self._libraries.values():
             library.close()
         self._libraries = {}
 
 
-def close_bpf(bpf: Any) -> None:
-    """Detach every probe of a bcc ``BPF`` object and free it.
+def close_bpf(bpf: Any, libraries: Iterable[MappedLibrary] = ()) -> None:
+    """Detach every probe of a bcc ``BPF`` object and free it; ``libraries``: those
+    it probed (still open), whose tracefs events libbcc may have left.
 
     Closing a uprobe's perf event fd detaches it. bcc 0.26's own clean-up then
     also writes to tracefs' ``uprobe_events``, which fails (and raises) where
     probes were attached through the perf uprobe PMU and tracefs is not
-    mounted, so the fds are closed here first.
+    mounted, so the fds are closed here first, and the events that libbcc made
+    in tracefs (where the PMU refused an attach: the target had exited) removed
+    here, those of attaches that failed included (perfmon.probes.ftrace).
     """
     from bcc import lib
 
@@ -451,3 +456,4 @@ def close_bpf(bpf: Any) -> None:
         lib.bpf_close_perf_event_fd(fd)
         bpf._del_uprobe_fd(ev_name)
     bpf.cleanup()
+    remove_bcc_uprobe_events({library.probe_path for library in libraries}, os.getpid())

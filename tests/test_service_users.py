@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -279,3 +280,80 @@ def test_a_job_without_iterations_yields_its_slot_to_a_waiting_job(
             proc.kill()
     finally:
         reconfigure(service)
+
+
+# Values a user can give any job variable: a Unicode digit ('²'.isdigit() is true and
+# int('²') raises), another script's digit, signs, 10^30, empty, 100 KB.
+HOSTILE_NUMBERS = ("²", "٣", "-1", "+3", " 1", str(10**30), "", "9" * 100_000)
+# Read with RANK set (torchrun's) and without (srun's: SLURM_PROCID, SLURM_NTASKS).
+TORCH_NUMBER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_JOB_ID",
+                     "SLURM_STEP_ID", "SLURM_NODEID")
+SLURM_NUMBER_KEYS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS",
+                     "SLURM_NODEID")
+
+
+def test_job_variables_of_any_value_never_end_the_service_or_another_users_job(
+        service: Service, alice: UserJobs, bob: UserJobs, agent, tmp_path: Path) -> None:
+    stamps = alice.home / "stamps"
+    job = alice.python("--train-iters", "400", "--timestamps", str(stamps), env={})
+    folder = service.job_folder(job.pid)
+    fakes = [bob.fake(600, **{key: value for key in keys})
+             for value in HOSTILE_NUMBERS for keys in (TORCH_NUMBER_KEYS, SLURM_NUMBER_KEYS)]
+    wait_for(lambda: sum(attach_line(service, p.pid) for p in fakes) >= 8, 120,
+             "B's processes to be scanned and attached (max_jobs_per_user)")
+    # attach and doctor of such a process: no traceback, no crash.
+    for command in (("doctor", "--pid"), ("attach", "--duration", "2", "--output-dir",
+                                          str(tmp_path), "--pid")):
+        done = agent.run(*command, str(fakes[0].pid))
+        assert "Traceback" not in done.stderr and done.returncode in (0, 1, 3), done.stderr
+    done = wait_for(lambda: ended(folder), 180, "A's job to end")
+    assert service.proc.poll() is None, service.log()
+    assert "Traceback" not in service.log() and "scan failed" not in service.log()
+    [segment] = done["segments"]
+    assert segment["end_reason"] == "target_exited"
+    [summary] = summaries(folder)
+    info = summary["session_info"]
+    lo, hi = info["attach_monotonic_ns"], info["detach_monotonic_ns"]
+    truth = [t for line in stamps.read_text().splitlines()
+             if lo <= (t := int(line.split()[1])) <= hi]
+    assert len(truth) > 100 and abs(info["total_iterations"] - len(truth)) <= 1
+    for fake in fakes:
+        fake.kill()
+
+
+def uprobe_events() -> list[str]:
+    return [line for root in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+            if os.path.exists(f"{root}/uprobe_events")
+            for line in Path(f"{root}/uprobe_events").read_text().splitlines()]
+
+
+def test_short_lived_processes_leave_no_uprobe_event_behind(
+        bob: UserJobs, tmp_path: Path) -> None:
+    """200 processes of an ordinary user that map libtorch and exit 0.3-5 s later, many of
+    them while the service attaches (libbcc then makes a tracefs event it never removes):
+    once the service stops, no uprobe event of its own is left."""
+    before = uprobe_events()
+    svc = Service(tmp_path, scan_interval_s=0.5, max_jobs=32, max_jobs_per_user=32)
+    try:
+        wait_for(lambda: "READY=1" in svc.received() or svc.proc.poll() is not None, 30,
+                 "READY=1")
+        assert svc.proc.poll() is None, svc.log()
+        started_s, cpu = time.monotonic(), psutil.Process(svc.proc.pid).cpu_times()
+        lifetimes = [0.3 + 4.7 * ((i * 37) % 100) / 100 for i in range(200)]
+        for wave in range(0, 200, 10):
+            for seconds in lifetimes[wave:wave + 10]:
+                bob.fake(seconds)
+            time.sleep(1.5)
+            assert svc.proc.poll() is None, svc.log()
+        for proc in bob.procs:
+            proc.wait(timeout=60)
+        time.sleep(3)
+        now = psutil.Process(svc.proc.pid).cpu_times()
+        used_s = sum(now[:4]) - sum(cpu[:4])  # user, system, and reaped children's
+        print(f"churn: {used_s / (time.monotonic() - started_s):.0%} of a core; "
+              f"{svc.log().count('attaching to')} attaches, "
+              f"{svc.log().count('No such process')} refused by the kernel mid-attach")
+        assert svc.log().count("attaching to") > 20, svc.log()  # it did attach to many
+    finally:
+        svc.close()
+    assert [e for e in uprobe_events() if e not in before] == []
