@@ -72,8 +72,10 @@ def _int(flag: str, value: str) -> int:
     try:
         return int(value)  # what argparse's type=int accepts
     except ValueError:
+        # The job's value, bounded: a command line can hold 100 KB in one argument.
+        shown = repr(value) if len(value) <= 40 else f"{value[:40]!r}... ({len(value)} characters)"
         raise ModelConfigError(
-            f"target command line: {flag} expects an integer, got {value!r}"
+            f"target command line: {flag} expects an integer, got {shown}"
         ) from None
 
 
