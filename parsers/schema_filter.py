@@ -17,7 +17,8 @@ Arrays may be lists or tuples (msgpack's decoding); a filtered one is a list. Th
 subset of JSON Schema read: ``type``, ``$ref`` (``#/$defs/...``),
 ``properties``, ``patternProperties``, ``additionalProperties``, ``items``,
 ``minItems``, ``enum``, ``pattern``, ``minimum``, ``maximum``,
-``exclusiveMinimum``, ``oneOf`` (of alternatives told apart by type); the rest
+``exclusiveMinimum``, ``oneOf`` (of alternatives told apart by type), ``allOf``
+(each part applied in turn: the goodput ledger's bounds); the rest
 (``required``, ``format``, ``description``) is not a check here. Beyond the
 schema every number must be finite, floats within +-1e30 and integers within
 +-2^63, so that no sum or product of them overflows.
@@ -189,6 +190,10 @@ class SchemaFilter:
             return self._ref(schema["$ref"])
         if "oneOf" in schema:
             return self._one_of(schema["oneOf"], depth)
+        if "allOf" in schema:
+            rest = {k: v for k, v in schema.items() if k != "allOf"}
+            return _all_of([self._compile(part, depth + 1)
+                            for part in [*schema["allOf"], rest]])
         rules = _Rules()
         types = schema.get("type")
         if types is not None:
@@ -233,6 +238,17 @@ class SchemaFilter:
             out.note(place, f"{_describe(value)} fits none of the allowed forms")
             return _UNKNOWN
         return check
+
+
+def _all_of(checks: list[Check]) -> Check:
+    """Every check in turn: what one does not allow is unknown for the next."""
+    def check(value: Any, place: Place, out: Filtered) -> Any:
+        for each in checks:
+            value = each(value, place, out)
+            if value is None or value is _UNKNOWN:
+                break
+        return value
+    return check
 
 
 def _node(rules: _Rules) -> Check:

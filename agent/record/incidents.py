@@ -1,9 +1,17 @@
 """Incident bundles found in folders (``incident_<stamp>_<kind>/``, written by
 perfmon.agent.measure.incidents): their ``incident.json``, read bounded and kept to what
-the views need, for ``perfmon-agent incidents`` and the report."""
+the views need, for ``perfmon-agent incidents`` and the report.
+
+A record is read as summaries are (perfmon.agent.record.runs): at most 1 MiB, nested
+at most 32 levels (perfmon.parsers.schema_filter; deeper than Python's parser goes is
+refused outright), and only when root or the user running the command owns it (a
+record names no job user, and folders may be shared: issue 36). A record that is
+unfit is one line (``find_incidents``'s ``problems``); the others are still listed.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -11,12 +19,24 @@ from pathlib import Path
 from typing import Any
 
 from perfmon.agent.record.layout import INCIDENT_RECORD, is_incident
+from perfmon.agent.record.runs import read_owned_file
 from perfmon.parsers.errors import InputFileError
-from perfmon.probes.files import read_user_file
+from perfmon.parsers.schema_filter import SchemaFilter
 
 MAX_RECORD_BYTES = 1 << 20
 MAX_DEPTH = 3
 KNOWN_KINDS = ("hang", "straggler", "fail_slow", "exit")
+# What the views read of a record; the rest stays open (any JSON, nested at most 32 levels).
+RECORD_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
+    "agent": {"type": "string"}, "kind": {"type": "string"}, "time": {"type": "string"},
+    "what": {"type": "string"}, "files": {"type": "array", "items": {"type": "string"}},
+    "ranks": {"type": "array", "items": {"type": "object", "properties": {
+        "pid": {"type": "integer"}, "rank": {"type": "integer"}}}}}}
+
+
+@functools.cache
+def _record_filter() -> SchemaFilter:
+    return SchemaFilter(RECORD_SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -34,13 +54,31 @@ class Incident:
 
 
 def read_incident(folder: Path) -> Incident | None:
-    """The bundle in ``folder`` (None: no record of this agent's there, or unfit)."""
+    """The bundle in ``folder`` (None: no record there, or not this agent's). Raises
+    InputFileError (one line naming the record) for a record that is unfit: not JSON,
+    too big, nested too deep, or owned by neither root nor the user running this."""
+    path = folder / INCIDENT_RECORD
     try:
-        data = json.loads(read_user_file(str(folder / INCIDENT_RECORD), "incident",
-                                         MAX_RECORD_BYTES))
-    except (InputFileError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("agent") != "perfmon-agent":
+        raw, st = read_owned_file(path, "incident", MAX_RECORD_BYTES)
+    except InputFileError as err:
+        if "no such file" in str(err):
+            return None
+        raise
+    me = os.geteuid()
+    if st.st_uid not in (0, me):
+        raise InputFileError(f"incident {path}: owned by uid {st.st_uid}, neither root nor "
+                             f"uid {me} (this user): not listed")
+    try:
+        parsed = json.loads(raw)
+    except RecursionError:
+        raise InputFileError(f"incident {path}: nested too deep: not listed") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputFileError(f"incident {path}: not JSON ({err}): not listed") from err
+    data, filtered = _record_filter().apply(parsed)
+    if not isinstance(data, dict):
+        why = "; ".join(filtered.examples) or "not an object"
+        raise InputFileError(f"incident {path}: {why}: not listed")
+    if data.get("agent") != "perfmon-agent":
         return None
     kind = data.get("kind") if data.get("kind") in KNOWN_KINDS else "unknown"
     ranks: list[Any] = data["ranks"] if isinstance(data.get("ranks"), list) else []
@@ -52,9 +90,11 @@ def read_incident(folder: Path) -> Incident | None:
                     tuple(str(f)[:64] for f in files[:16]))
 
 
-def find_incidents(folder: Path, depth: int = MAX_DEPTH) -> list[Incident]:
+def find_incidents(folder: Path, depth: int = MAX_DEPTH,
+                   problems: list[str] | None = None) -> list[Incident]:
     """The bundles in ``folder`` and its sub-folders ``depth`` levels down (never through
-    links), newest first. Raises InputFileError when ``folder`` is not a folder."""
+    links), newest first; a line for each unfit record goes to ``problems``. Raises
+    InputFileError when ``folder`` is not a folder."""
     if not folder.is_dir() or folder.is_symlink():
         raise InputFileError(f"folder {folder}: not a folder")
     found: list[Incident] = []
@@ -68,7 +108,13 @@ def find_incidents(folder: Path, depth: int = MAX_DEPTH) -> list[Incident]:
             if entry.is_symlink() or not entry.is_dir():
                 continue
             if is_incident(entry.name):
-                if (incident := read_incident(Path(entry.path))) is not None:
+                try:
+                    incident = read_incident(Path(entry.path))
+                except InputFileError as err:
+                    if problems is not None:
+                        problems.append(str(err))
+                    continue
+                if incident is not None:
                     found.append(incident)
             elif level < depth:
                 walk(Path(entry.path), level + 1)

@@ -8,12 +8,19 @@ take every iteration_logs entry as it completes (``entries_for``: the summary
 itself keeps at most --max-log-entries). Files are found by their names
 (perfmon.agent.record.layout), never through links; a bad file among several is a
 warning, not the end.
+
+Folders may be shared (a sticky job folder every user can write), so a file found in
+one is believed only when root or the job's own user owns it (``distrust``, issue 36):
+the job's user is the one its summary names (``session_info.job.user``, a name or a uid
+this node knows); when it names none this node knows, only root's files and those of
+the user running the command are. A file refused is one line and gives no figure.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import pwd
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -21,8 +28,14 @@ from typing import Any
 
 from perfmon.agent.record.layout import LOG_GLOB, SUMMARY_GLOB, recorded_files
 from perfmon.agent.record.replay import EntrySink, rebuild_from_event_log
-from perfmon.agent.record.summary import FinalStatistics, SessionInfo, read_summary
+from perfmon.agent.record.summary import (
+    MAX_SUMMARY_BYTES,
+    FinalStatistics,
+    SessionInfo,
+    parse_summary,
+)
 from perfmon.parsers.errors import InputFileError, PerfmonError
+from perfmon.parsers.job_identity import decimal_number
 from perfmon.probes.files import open_user_file
 
 # Given a run's source and its facts, what takes every entry of a replayed log.
@@ -34,8 +47,9 @@ class RecordedRun:
 
     def __init__(self, source: Path, kind: str, summary: dict[str, Any], *,
                  warnings: list[str] | None = None, mtime_s: float | None = None,
-                 sink: EntrySink | None = None) -> None:
+                 sink: EntrySink | None = None, owner_uid: int | None = None) -> None:
         self.source = source  # the summary file, or the event log's first part
+        self.owner_uid = owner_uid  # its owner's, when read from a file
         self.kind = kind  # "summary" or "event log"
         self.summary = summary
         self.warnings = warnings or []  # each names its file
@@ -102,15 +116,73 @@ def is_summary_file(path: Path) -> bool:
     return head.lstrip()[:1] == b"{"
 
 
-def read_summary_run(path: Path) -> RecordedRun:
-    """A summary file as a run (its schema's problems as a warning). InputFileError."""
+def read_owned_file(path: Path, what: str, max_bytes: int) -> tuple[bytes, os.stat_result]:
+    """The bytes of a regular file the user named or a folder holds (at most ``max_bytes``,
+    perfmon.probes.files.open_user_file's rules) and its status, of the one file read.
+    Raises InputFileError naming ``what`` and the path."""
+    fd = open_user_file(str(path), what)
     try:
-        mtime_s: float | None = os.stat(path).st_mtime
-    except OSError:
-        mtime_s = None
-    summary, problem = read_summary(path)
+        st = os.fstat(fd)
+        chunks, total = [], 0
+        while total <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as err:
+        raise InputFileError(f"{what} {path}: cannot read: {err.strerror}") from err
+    finally:
+        os.close(fd)
+    if total > max_bytes:
+        raise InputFileError(f"{what} {path}: larger than {max_bytes >> 20} MiB")
+    return b"".join(chunks), st
+
+
+def read_summary_run(path: Path) -> RecordedRun:
+    """A summary file as a run (its schema's problems as a warning), with its owner.
+    InputFileError."""
+    data, st = read_owned_file(path, "summary", MAX_SUMMARY_BYTES)
+    summary, problem = parse_summary(data, path)
     return RecordedRun(path, "summary", summary, warnings=[problem] if problem else [],
-                       mtime_s=mtime_s)
+                       mtime_s=st.st_mtime, owner_uid=st.st_uid)
+
+
+def job_user(info: SessionInfo) -> tuple[str | None, int | None]:
+    """The job's user a run names (``session_info.job.user``) and that user's uid here:
+    the account of that name, else the name as a uid (the agent writes the uid when the
+    node has no name for it); None for a user this node does not know."""
+    job = info.get("job")
+    name = job.get("user") if isinstance(job, dict) else None
+    if not isinstance(name, str) or not name:
+        return None, None
+    try:
+        return name, pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return name, decimal_number(name, 10)
+
+
+def distrust(run: RecordedRun) -> str | None:
+    """Why a run found in a folder is not to be believed, one line naming its file (None
+    when it is): its file is owned by neither root nor the job's user (``job_user``);
+    when that user is not known here, by neither root nor the user running this."""
+    owner = run.owner_uid
+    if owner == 0:
+        return None
+    if owner is None:
+        return f"{run.kind} {run.source}: its owner is not known: not read"
+    name, uid = job_user(run.info)
+    if uid is not None:
+        if owner == uid:
+            return None
+        return (f"{run.kind} {run.source}: owned by uid {owner}, neither root nor the job's "
+                f"user ({name}, uid {uid}): not read")
+    me = os.geteuid()
+    if owner == me:
+        return None
+    named = "names no user" if name is None else f"names user {name!r}, unknown here"
+    return (f"{run.kind} {run.source}: owned by uid {owner}; its job {named}, so only root's "
+            f"and uid {me}'s files are read: not read")
 
 
 def replay_run(path: Path, entries_for: EntriesFor | None = None) -> RecordedRun:
@@ -123,8 +195,12 @@ def replay_run(path: Path, entries_for: EntriesFor | None = None) -> RecordedRun
         return sinks[0]
 
     rebuilt = rebuild_from_event_log(path, start if entries_for else None)
+    try:
+        owner: int | None = os.stat(rebuilt.parts[0], follow_symlinks=False).st_uid
+    except OSError:
+        owner = None  # gone since: not believed from a folder (distrust)
     return RecordedRun(rebuilt.parts[0], "event log", rebuilt.summary, warnings=rebuilt.warnings,
-                       sink=sinks[0] if sinks else None)
+                       sink=sinks[0] if sinks else None, owner_uid=owner)
 
 
 def load_run(path: Path, entries_for: EntriesFor | None = None) -> RecordedRun:
@@ -149,8 +225,9 @@ def find_runs(folder: Path, depth: int, *, summaries: bool = True, logs: bool = 
 def load_runs(path: Path, entries_for: EntriesFor | None = None, *,
               depth: int = 1) -> list[RecordedRun]:
     """The runs of a log, a summary, or a folder (its files and sub-folders ``depth``
-    levels down: one per node or job). A bad file among several is a warning of the
-    first run (``skipped: ...``). Raises InputFileError or EventLogError (exit 2)."""
+    levels down: one per node or job). A bad file among several, or one of a folder's
+    that is not believed (``distrust``), is a warning of the first run (``skipped:
+    ...``). Raises InputFileError or EventLogError (exit 2) when no run is left."""
     if not is_folder_input(path):
         return [load_run(path, entries_for)]
     inputs = find_runs(path, depth)
@@ -160,9 +237,15 @@ def load_runs(path: Path, entries_for: EntriesFor | None = None, *,
     runs, errors = [], []
     for item in inputs:
         try:
-            runs.append(load_run(item, entries_for))
+            run = load_run(item, entries_for)
         except PerfmonError as err:
             errors.append(err)
+            continue
+        refusal = distrust(run)
+        if refusal is None:
+            runs.append(run)
+        else:
+            errors.append(InputFileError(refusal))
     if not runs:
         raise errors[0]
     runs[0].warnings += [f"skipped: {error}" for error in errors]
@@ -171,11 +254,11 @@ def load_runs(path: Path, entries_for: EntriesFor | None = None, *,
 
 class SummaryCache:
     """The summaries in some folders (and one level down), each re-read only when it
-    changed (``top`` redraws every second)."""
+    changed (``top`` redraws every second); one not believed (``distrust``) is a problem."""
 
     def __init__(self, folders: list[Path]) -> None:
         self.folders = folders
-        self._cache: dict[Path, tuple[tuple[int, int, int], RecordedRun]] = {}
+        self._cache: dict[Path, tuple[tuple[int, int, int], RecordedRun | str]] = {}
         self.problems: list[str] = []
 
     def runs(self) -> list[RecordedRun]:
@@ -191,13 +274,16 @@ class SummaryCache:
             for path in paths:
                 seen.add(path)
                 run = self._read(path)
-                if run is not None:
+                if isinstance(run, str):
+                    self.problems.append(run)
+                elif run is not None:
                     found.append(run)
                     self.problems += run.warnings
         self._cache = {p: v for p, v in self._cache.items() if p in seen}
         return found
 
-    def _read(self, path: Path) -> RecordedRun | None:
+    def _read(self, path: Path) -> RecordedRun | str | None:
+        """The run, or why it is not believed; None when it cannot be read."""
         try:
             st = os.stat(path)
         except OSError:
@@ -213,5 +299,6 @@ class SummaryCache:
                 self.problems.append(str(err))
             return None
         run.mtime_s = st.st_mtime
-        self._cache[path] = (stamp, run)
-        return run
+        read: RecordedRun | str = distrust(run) or run
+        self._cache[path] = (stamp, read)
+        return read

@@ -227,8 +227,13 @@ def read_summary(path: Path) -> tuple[dict[str, Any], str | None]:
     that is not JSON, nests deeper than Python's parser goes, or lacks
     session_info, final_statistics or iteration_logs.
     """
+    return parse_summary(read_user_file(str(path), "summary", MAX_SUMMARY_BYTES), path)
+
+
+def parse_summary(data: bytes, path: Path) -> tuple[dict[str, Any], str | None]:
+    """The summary in ``data`` (read from ``path``), as read_summary keeps it."""
     try:
-        summary = json.loads(read_user_file(str(path), "summary", MAX_SUMMARY_BYTES))
+        summary = json.loads(data)
     except RecursionError:
         raise InputFileError(f"summary {path}: nested too deep to be a perf summary") from None
     except (ValueError, UnicodeDecodeError) as err:

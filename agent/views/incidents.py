@@ -1,6 +1,7 @@
 """`perfmon-agent incidents DIR`: the incident bundles in folders (perfmon.agent.measure.
 incidents writes one per hang, straggler, fail-slow event and abnormal exit), newest
-first: when, what, which ranks, where."""
+first: when, what, which ranks, where. An unfit record (too deep, not JSON, owned by
+another user) is one warning line; the others are still listed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 from pathlib import Path
 
 from perfmon.agent.argtypes import Command
-from perfmon.agent.console import printable
+from perfmon.agent.console import printable, warn
 from perfmon.agent.record.incidents import find_incidents
 
 INCIDENTS_EPILOG = """examples:
@@ -29,9 +30,13 @@ def add_incidents_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def incidents_main(args: argparse.Namespace) -> int:
-    found = [i for folder in args.folders for i in find_incidents(folder)]
+    problems: list[str] = []
+    found = [i for folder in args.folders for i in find_incidents(folder, problems=problems)]
+    for line in problems:
+        warn(line)
     if args.json:
-        print(json.dumps({"incidents": [i.to_dict() for i in found]}, indent=1))
+        print(json.dumps({"incidents": [i.to_dict() for i in found], "problems": problems},
+                         indent=1))
         return 0
     if not found:
         print("no incident bundles")

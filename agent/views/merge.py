@@ -25,6 +25,11 @@ and writes ``job_summary.json`` (schema: docs/job_summary.schema.json):
 Throughput: every node computes tokens/s and TFLOPS from the job's global batch
 over its own step time, so the job's figures are a node's figure scaled by
 node step / job step, never a sum of the nodes' figures.
+
+The folders may be shared (issue 36): a summary is believed only when root or the
+job's own user owns its file (perfmon.agent.record.runs.distrust); one that is not
+is a warning line, listed in ``job_info.refused``, and gives no figure. Figures out
+of the summary schema's range (10^18 GPUs) are unknown, with a warning.
 """
 
 from __future__ import annotations
@@ -40,11 +45,11 @@ from perfmon.agent.argtypes import Command
 from perfmon.agent.console import printable, warn
 from perfmon.agent.record.layout import SUMMARY_GLOB
 from perfmon.agent.record.outputs import json_bytes, write_user_file
-from perfmon.agent.record.runs import RecordedRun, find_runs, read_summary_run
+from perfmon.agent.record.runs import RecordedRun, distrust, find_runs, read_summary_run
 from perfmon.agent.reducers.goodput import Ledger, combined, recorded_ledger
 from perfmon.agent.reducers.iterations import percentile
 from perfmon.agent.reducers.ranks import MAD_TO_SIGMA, StragglerRule
-from perfmon.parsers.errors import InputFileError
+from perfmon.parsers.errors import InputFileError, PerfmonError
 
 MAX_DEPTH = 3
 MERGE_DESCRIPTION = ("Combine the perf summaries of one job written on several nodes (matched "
@@ -93,6 +98,16 @@ def _shown(key: JobKey) -> str:
 
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _whole_ledger(goodput: Any) -> bool:
+    """Whether a session's goodput holds the figures its ledger is made of: its GPUs and
+    seconds (read_summary makes one out of range unknown, e.g. 10^18 GPUs)."""
+    if not isinstance(goodput, dict):
+        return False
+    ledger = goodput["job"] if isinstance(goodput.get("job"), dict) else goodput
+    return isinstance(ledger.get("gpus"), int) and all(
+        _number(ledger.get(k)) is not None for k in ("wall_seconds", "productive_seconds"))
 
 
 def _median(values: list[float]) -> float | None:
@@ -155,9 +170,10 @@ class Node:
         return causes
 
     def ledger(self) -> Ledger | None:
-        """Its goodput ledger of the job: its sessions' in time order."""
+        """Its goodput ledger of the job: its sessions' in time order (a session whose
+        ledger lost a figure to the schema's range is left out)."""
         runs = sorted(self.runs, key=lambda r: str(r.info.get("start_time") or ""))
-        return recorded_ledger([r.stats.get("goodput") for r in runs])
+        return recorded_ledger([g for r in runs if _whole_ledger(g := r.stats.get("goodput"))])
 
     def row(self) -> dict[str, Any]:
         infos, stats = [r.info for r in self.runs], [r.stats for r in self.runs]
@@ -239,8 +255,10 @@ def _job_statistics(rows: list[dict[str, Any]], logs: list[dict[str, Any]]) -> d
     }
 
 
-def merge(runs: list[RecordedRun], job_id: str) -> dict[str, Any]:
-    """The job summary of ``runs`` (all of job ``job_id``)."""
+def merge(runs: list[RecordedRun], job_id: str, refused: list[str] | None = None
+          ) -> dict[str, Any]:
+    """The job summary of ``runs`` (all of job ``job_id``); ``refused``: a line for each
+    summary of the job that was not believed (perfmon.agent.record.runs.distrust)."""
     nodes: dict[str, Node] = {}
     for run in runs:
         nodes.setdefault(run.host, Node(run.host)).runs.append(run)
@@ -265,6 +283,7 @@ def merge(runs: list[RecordedRun], job_id: str) -> dict[str, Any]:
             "aligned_by": ("job_counter" if all(n.own_numbering for n in nodes.values())
                            else "attach"),
             "inputs": [str(r.source) for r in runs],
+            "refused": list(refused or []),
             "merged_by": f"perfmon-agent {agent_version()}",
         },
         "final_statistics": {
@@ -333,36 +352,79 @@ def slow_host(rows: list[dict[str, Any]], rank_steps_ms: list[float]
             "excess_ms": excess[host], "bar_ms": bar, "spread_ms": spread}
 
 
+class _Found:
+    """The summaries under the folders: believed ones by job, and a line for each other."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.by_job: dict[JobKey, list[RecordedRun]] = {}
+        self.refused: dict[JobKey | None, list[str]] = {}
+        self.errors: list[PerfmonError] = []
+        for path in paths:
+            try:
+                run = read_summary_run(path)
+            except PerfmonError as err:  # one bad file among several is a warning
+                self.errors.append(err)
+                continue
+            key = _job_key(run)
+            refusal = distrust(run)
+            if refusal is not None:  # one line, and nothing of it
+                warn(refusal)
+                self.refused.setdefault(key, []).append(refusal)
+                continue
+            for problem in run.warnings:
+                warn(problem)
+            if key is None:
+                warn(f"{path}: no session_info.job.id (written by an older agent): left out")
+                continue
+            self.by_job.setdefault(key, []).append(run)
+
+
+def _chosen_job(found: _Found, args: argparse.Namespace) -> JobKey:
+    """The job to merge: the only one, or the one --job and --user name. InputFileError."""
+    folders = " ".join(map(str, args.folders))
+    if not found.by_job:
+        if found.errors and not found.refused:
+            raise found.errors[0]
+        for error in found.errors:
+            warn(str(error))
+        if found.refused:
+            count = sum(map(len, found.refused.values()))
+            raise InputFileError(f"nothing to merge under {folders}: {count} summar"
+                                 f"{'y' if count == 1 else 'ies'} refused (named above: owned "
+                                 "by neither root nor the job's user)")
+        raise InputFileError(f"no summary under {folders} names its job (session_info.job.id)")
+    for error in found.errors:
+        warn(str(error))
+    chosen = [k for k in found.by_job if (args.job is None or k[0] == args.job)
+              and (args.user is None or k[1] == args.user)]
+    if not chosen:
+        wanted = " ".join(([f"job {args.job!r}"] if args.job is not None else [])
+                          + ([f"of user {args.user!r}"] if args.user is not None else []))
+        held = ", ".join(sorted(map(_shown, found.by_job)))
+        refused = sum(len(v) for k, v in found.refused.items() if k is not None
+                      and (args.job is None or k[0] == args.job)
+                      and (args.user is None or k[1] == args.user))
+        raise InputFileError(f"{wanted} not found" + (
+            f" ({refused} of its summaries refused, named above)" if refused else "")
+            + f"; the folders hold: {held}")
+    if len(chosen) > 1:
+        # The count and the list are of the same jobs: those that could be meant.
+        listed = ", ".join(sorted(map(_shown, chosen)))
+        which = (f"--user (job {args.job!r} is {len(chosen)} users' jobs)"
+                 if args.job is not None else "--job (and --user)")
+        raise InputFileError(f"the folders hold {len(chosen)} jobs ({listed}): name one "
+                             f"with {which}")
+    return chosen[0]
+
+
 def merge_main(args: argparse.Namespace) -> int:
     paths = [p for folder in args.folders for p in find_summaries(folder)]
     if not paths:
         raise InputFileError(f"no {SUMMARY_GLOB} under {' '.join(map(str, args.folders))}")
-    by_job: dict[JobKey, list[RecordedRun]] = {}
-    for path in paths:
-        run = read_summary_run(path)
-        for problem in run.warnings:
-            warn(problem)
-        key = _job_key(run)
-        if key is None:
-            warn(f"{path}: no session_info.job.id (written by an older agent): left out")
-            continue
-        by_job.setdefault(key, []).append(run)
-    if not by_job:
-        raise InputFileError(f"no summary under {' '.join(map(str, args.folders))} names its "
-                             "job (session_info.job.id)")
-    chosen = [k for k in by_job if (args.job is None or k[0] == args.job)
-              and (args.user is None or k[1] == args.user)]
-    held = ", ".join(sorted(map(_shown, by_job))) or "no job ids"
-    if not chosen:
-        wanted = " ".join(([f"job {args.job!r}"] if args.job is not None else [])
-                          + ([f"of user {args.user!r}"] if args.user is not None else []))
-        raise InputFileError(f"{wanted} not found; the folders hold: {held}")
-    if len(chosen) > 1:
-        raise InputFileError(f"the folders hold {len(chosen)} jobs ({held}): name one with "
-                             "--job (and --user)")
-    [key] = chosen
+    found = _Found(paths)
+    key = _chosen_job(found, args)
     job_id = key[0]
-    result = merge(by_job[key], job_id)
+    result = merge(found.by_job[key], job_id, found.refused.get(key))
     data = json_bytes(result)
     write_user_file(args.output, data)
     if args.json:

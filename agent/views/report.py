@@ -276,6 +276,17 @@ def _incidents_html(run: Run, suffix: str, page_folder: Path | None) -> str:
             + "".join(items) + "</ul>")
 
 
+def _incident_problems(runs: list[Run]) -> list[str]:
+    """A line for each unfit incident record beside the runs (the page leaves it out)."""
+    problems: list[str] = []
+    for folder in sorted({run.source.parent for run in runs}):
+        try:
+            find_incidents(folder, depth=0, problems=problems)
+        except PerfmonError:
+            continue
+    return problems
+
+
 def _section(run: Run, index: int, count: int, page_folder: Path | None = None
              ) -> tuple[str, list[Plot]]:
     suffix = "" if count == 1 else f"-{index}"
@@ -385,6 +396,8 @@ def report_main(args: argparse.Namespace) -> int:
     for run in runs:
         for line in run.warnings:
             warn(line)  # each names its file
+    for line in _incident_problems(runs):
+        warn(line)
     page, plots = render_report(runs, args.output.resolve().parent)
     data = page.encode()
     write_user_file(args.output, data)
