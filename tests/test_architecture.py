@@ -22,7 +22,8 @@ from tests.eventlogs import write_log
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"agent": "perfmon.agent", "probes": "perfmon.probes", "parsers": "perfmon.parsers"}
-MAX_MODULE_LINES = 500
+# Modules hold one concept each, however long (split by meaning, never by a count);
+# a function longer than this is doing several things.
 MAX_FUNCTION_LINES = 80
 
 # room -> module prefixes it must not import. A room is a folder of agent/ (its modules
@@ -229,13 +230,11 @@ def test_the_typed_summary_records_are_the_schema() -> None:
         assert set(get_type_hints(record)) == set(part["properties"]), record.__name__
 
 
-def test_no_module_or_function_is_too_long() -> None:
+def test_no_function_is_too_long() -> None:
     long = []
     for path in _sources():
         text = path.read_text()
         rel = path.relative_to(ROOT)
-        if len(text.splitlines()) > MAX_MODULE_LINES:
-            long.append(f"{rel}: {len(text.splitlines())} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1
