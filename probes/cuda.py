@@ -70,8 +70,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
+from perfmon.parsers.elf_symbols import ElfSymbol
 from perfmon.parsers.events import CudaSnapshot, Record
 from perfmon.probes.cuda_counters import COUNTERS, CudaCounters, counters_from_kernel
 from perfmon.probes.cuda_libraries import (
@@ -102,6 +103,17 @@ from perfmon.probes.uprobes import (
 # (probed for one iteration in every N), or "off".
 LAUNCH_MODES = ("sampled", "always", "off")
 _LAUNCH_PROGRAMS = ("on_runtime_launch", "on_driver_launch")
+
+
+class _Planned(NamedTuple):
+    """One probe to attach to one target: where, on what, and with which program."""
+
+    path: str  # the library as the target sees it
+    library: MappedLibrary  # held open
+    symbol: str
+    address: int  # attached by address: bcc never reads the library's symbol tables
+    program: str
+    kind: str
 
 # Sizes of the BPF program's tables, passed to it as -D cflags.
 _MAX_TEXT_RANGES = 4
@@ -145,7 +157,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         self._libraries: list[MappedLibrary] = []  # held open while probed
         # The launch entry points, attached with the rest ("always"), never ("off"),
         # or by attach_launches()/detach_launches() ("sampled").
-        self._launch_plan: dict[int, list[tuple[str, MappedLibrary, str, str, str]]] = {}
+        self._launch_plan: dict[int, list[_Planned]] = {}
         self._launch_fds: list[bytes] = []  # bcc event names of the attached launch probes
 
     def _start(self) -> None:
@@ -182,7 +194,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             self._fill_tables(probed)
             for found in probed:
                 plan = plans[found.target.pid]
-                launch = [e for e in plan if e[3] in _LAUNCH_PROGRAMS]
+                launch = [e for e in plan if e.program in _LAUNCH_PROGRAMS]
                 if self.launches != "always":
                     plans[found.target.pid] = [e for e in plan if e not in launch]
                     sampled = self.launches == "sampled"
@@ -203,7 +215,8 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             raise
         self.available = True
 
-    def _step_symbols(self, target: TargetProcess) -> tuple[MappedLibrary | None, list[str]]:
+    def _step_symbols(self, target: TargetProcess
+                      ) -> tuple[MappedLibrary | None, list[ElfSymbol]]:
         """A target's libtorch_cpu and its record_function entry points ([] with a warning)."""
         try:
             library = open_torch_library(target)
@@ -219,26 +232,26 @@ class CudaActivityProbe(Sampler[CudaCounters]):
         return library, record
 
     def _attach_steps(self, target: TargetProcess, library: MappedLibrary | None,
-                      symbols: list[str]) -> None:
-        """Snapshot a target's counters at each Optimizer.step entry (warns when it cannot)."""
+                      symbols: list[ElfSymbol]) -> None:
+        """Snapshot a target's counters at each Optimizer.step entry (warns when it cannot).
+        By address, as MarkerProbe attaches (bcc never reads the library's tables)."""
         for sym in symbols:
             assert library is not None
             try:
                 self._bpf.attach_uprobe(
-                    name=library.probe_path.encode(), sym=sym.encode(),
+                    name=library.probe_path.encode(), addr=sym.address,
                     fn_name=b"on_record_function_enter", pid=target.pid)
             except Exception as err:  # bcc raises bare Exception on attach failure
                 self.warnings.append(
-                    f"pid {target.pid} ({target.name}): cannot attach uprobe to {sym} in "
+                    f"pid {target.pid} ({target.name}): cannot attach uprobe to {sym.name} in "
                     f"{target.torch_library}: {err}: no counter snapshots at Optimizer.step")
                 continue
             names = self.attached.setdefault(target.torch_library, [])
-            if sym not in names:
-                names.append(sym)
+            if sym.name not in names:
+                names.append(sym.name)
 
-    def _plan(self, found: TargetLibraries) -> list[tuple[str, MappedLibrary, str, str, str]]:
-        """(path as the target sees it, the library held open, symbol, BPF program, kind)
-        to attach for one target."""
+    def _plan(self, found: TargetLibraries) -> list[_Planned]:
+        """The probes to attach for one target."""
         t = found.target
         plan = []
         for lib in LIBRARIES:
@@ -262,8 +275,8 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                     self.warnings.append(
                         f"pid {t.pid} ({t.name}): {path} exports none of "
                         f"{', '.join(wanted)}: {lib.measures} not counted")
-                for sym in symbols:
-                    plan.append((path, library, sym, *wanted[sym]))
+                for sym, address in symbols.items():
+                    plan.append(_Planned(path, library, sym, address, *wanted[sym]))
         return plan
 
     def _compile(self) -> None:
@@ -296,14 +309,14 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             pids[ctypes.c_uint(t.pid)] = state
 
     def _attach(self, target: TargetProcess,
-                plan: list[tuple[str, MappedLibrary, str, str, str]]) -> list[str]:
+                plan: list[_Planned]) -> list[str]:
         """Attach one target's probes; returns why some could not be (also in ``warnings``).
 
         One refused function (the kernel rejects a uprobe on some first
         instructions, e.g. LOCK-prefixed ones) leaves the others measuring.
         """
         failures = []
-        for path, library, sym, prog, kind in plan:
+        for path, library, sym, address, prog, kind in plan:
             host = library.probe_path.encode()
             try:
                 # The return probe first: a call entered between the two attaches
@@ -311,9 +324,9 @@ class CudaActivityProbe(Sampler[CudaCounters]):
                 # return is never seen (which the program must heal).
                 if kind == ENTRY_AND_RETURN:
                     self._bpf.attach_uretprobe(
-                        name=host, sym=sym.encode(), fn_name=b"on_sync_exit", pid=target.pid)
+                        name=host, addr=address, fn_name=b"on_sync_exit", pid=target.pid)
                 self._bpf.attach_uprobe(
-                    name=host, sym=sym.encode(), fn_name=prog.encode(), pid=target.pid)
+                    name=host, addr=address, fn_name=prog.encode(), pid=target.pid)
             except Exception as err:  # bcc raises bare Exception on attach failure
                 failures.append(f"pid {target.pid} ({target.name}): cannot attach uprobe to "
                                 f"{sym} in {path}: {err}")

@@ -12,7 +12,6 @@ address).
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -160,11 +159,12 @@ def find_libraries(target: TargetProcess) -> TargetLibraries:
 def exact_symbols(library: MappedLibrary, names: Iterable[str]) -> dict[str, int]:
     """Exported function name -> address, for the names present; one name per address.
 
-    Raises OSError, ValueError or ElfError when the file cannot be read as ELF64.
+    Raises ElfError when the file is not an ELF64 library the agent reads (a job's
+    crafted, truncated or oversized file: the parser's caps), OSError or ValueError
+    when it cannot be mapped (an empty file); callers make it that library's warning.
     """
     names = list(names)
-    with mmap.mmap(library.fd, 0, prot=mmap.PROT_READ) as buf:
-        found = find_function_symbols(buf, names)
+    found = find_function_symbols(library, names)
     addresses = {n: s.address for n in names for s in found[n] if s.name == n}
     by_name: dict[str, int] = {}
     seen: set[int] = set()

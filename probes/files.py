@@ -206,6 +206,25 @@ class MappedLibrary:
     def probe_path(self) -> str:
         return f"/proc/self/fd/{self.fd}"
 
+    # Read as perfmon.parsers.elf_symbols.ElfSource: with pread, never a memory map (its
+    # owner may truncate the file meanwhile: a mapped page past the end is a SIGBUS).
+
+    def __len__(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def read_at(self, offset: int, size: int) -> bytes | bytearray:
+        """Up to ``size`` bytes at ``offset`` (fewer where the file ends sooner), read
+        into one buffer (a table is held once, never twice while joined)."""
+        data = bytearray(size)
+        done = 0
+        with memoryview(data) as view:
+            while done < size:
+                count = os.preadv(self.fd, [view[done:]], offset + done)
+                if count == 0:
+                    break
+                done += count
+        return data if done == size else data[:done]
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

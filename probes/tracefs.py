@@ -47,7 +47,6 @@ from __future__ import annotations
 import atexit
 import errno
 import itertools
-import mmap
 import os
 import time
 from typing import Any
@@ -154,10 +153,9 @@ def probe_offsets(target: TargetProcess, library: MappedLibrary
     entry point; the others may be absent ([]).
     """
     try:
-        with mmap.mmap(library.fd, 0, prot=mmap.PROT_READ) as buf:
-            found = find_function_symbols(
-                buf, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, *COLLECTIVE_WAIT_SYMBOLS))
-            segments = load_segments(buf)
+        found = find_function_symbols(
+            library, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, *COLLECTIVE_WAIT_SYMBOLS))
+        segments = load_segments(library)
         record: list[ElfSymbol] = next(
             (found[p] for p in RECORD_FUNCTION_SYMBOLS if found[p]), [])
         if not record:

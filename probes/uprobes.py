@@ -26,7 +26,6 @@ kernel (``/lib/modules/$(uname -r)/build``, ``$BCC_KERNEL_SOURCE`` or
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import struct
 from collections.abc import Iterable
@@ -161,7 +160,7 @@ def open_torch_library(target: TargetProcess) -> MappedLibrary:
 
 
 def find_torch_symbols(target: TargetProcess, library: MappedLibrary
-                       ) -> tuple[list[str], list[str], list[str]]:
+                       ) -> tuple[list[ElfSymbol], list[ElfSymbol], list[ElfSymbol]]:
     """(record_function entry symbols, Engine::execute symbols, collective wait symbols)
     in the target's libtorch_cpu.
 
@@ -169,9 +168,8 @@ def find_torch_symbols(target: TargetProcess, library: MappedLibrary
     record_function entry point; the others may be absent ([]).
     """
     try:
-        with mmap.mmap(library.fd, 0, prot=mmap.PROT_READ) as buf:
-            found = find_function_symbols(
-                buf, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, *COLLECTIVE_WAIT_SYMBOLS))
+        found = find_function_symbols(
+            library, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, *COLLECTIVE_WAIT_SYMBOLS))
     except (OSError, ValueError, ElfError) as err:
         raise SymbolNotFound(
             f"pid {target.pid} ({target.name}): cannot read symbols of {target.torch_library}: "
@@ -184,8 +182,8 @@ def find_torch_symbols(target: TargetProcess, library: MappedLibrary
             "torch::autograd::profiler::record_function_enter_new or record_function_enter "
             "(a PyTorch older than 1.8, or a build with hidden symbols)"
         )
-    return ([s.name for s in record], [s.name for s in found[ENGINE_EXECUTE_SYMBOL]],
-            [s.name for p in COLLECTIVE_WAIT_SYMBOLS for s in found[p]])
+    return (record, found[ENGINE_EXECUTE_SYMBOL],
+            [s for p in COLLECTIVE_WAIT_SYMBOLS for s in found[p]])
 
 
 def step_prefixes(kinds: tuple[str, ...]) -> dict[str, str]:
@@ -328,28 +326,26 @@ class MarkerProbe(Source):
             raise
         self._bpf[b"events"].open_ring_buffer(self._on_event)
 
-    def _attach(self, target: TargetProcess, record: list[str], engine: list[str],
-                wait: list[str]) -> None:
+    def _attach(self, target: TargetProcess, record: list[ElfSymbol], engine: list[ElfSymbol],
+                wait: list[ElfSymbol]) -> None:
+        # By the addresses read here (perfmon.parsers.elf_symbols, bounded), never by
+        # name: bcc would resolve a name by reading the library's symbol tables whole,
+        # .symtab included, which a job's crafted library can make gigabytes.
         lib = self._libraries[target.pid].probe_path.encode()
-        attached = 0
         for sym in record:
             try:
-                self._bpf.attach_uprobe(
-                    name=lib, sym=sym.encode(), fn_name=b"on_record_function_enter", pid=target.pid
-                )
-                attached += 1
+                self._bpf.attach_uprobe(name=lib, addr=sym.address,
+                                        fn_name=b"on_record_function_enter", pid=target.pid)
             except Exception as err:  # bcc raises bare Exception on attach failure
                 raise PrerequisiteMissing(
-                    f"pid {target.pid} ({target.name}): cannot attach uprobe to {sym}: "
+                    f"pid {target.pid} ({target.name}): cannot attach uprobe to {sym.name}: "
                     f"{err}{_attach_hint()}"
                 ) from err
         for sym in engine:
-            self._bpf.attach_uprobe(
-                name=lib, sym=sym.encode(), fn_name=b"on_backward_enter", pid=target.pid
-            )
-            self._bpf.attach_uretprobe(
-                name=lib, sym=sym.encode(), fn_name=b"on_backward_exit", pid=target.pid
-            )
+            self._bpf.attach_uprobe(name=lib, addr=sym.address, fn_name=b"on_backward_enter",
+                                    pid=target.pid)
+            self._bpf.attach_uretprobe(name=lib, addr=sym.address, fn_name=b"on_backward_exit",
+                                       pid=target.pid)
         if not engine:
             self.warnings.append(
                 f"pid {target.pid} ({target.name}): {target.torch_library} exports no "
@@ -357,10 +353,7 @@ class MarkerProbe(Source):
             )
         if wait:
             self._waits_probed.add(target.pid)
-        # Resolved once (bcc's own resolver, as attach_uprobe calls it): re-attaching a
-        # sampled wait probe by address skips the symbol search.
-        points = [(lib, self._bpf._check_path_symbol(lib, sym.encode(), None, target.pid, 0)[1],
-                   target.pid) for sym in wait]
+        points = [(lib, sym.address, target.pid) for sym in wait]
         self._wait_points += points
         self._attach_waits(points)
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import socket
 from typing import Any
 
 from perfmon.agent.argtypes import Command, pid
-from perfmon.agent.console import PipeConsole
+from perfmon.agent.console import PipeConsole, printable
 from perfmon.agent.measure.model import explicit_model_fields, resolve_model
 from perfmon.parsers.elf_symbols import ElfError, find_function_symbols
 from perfmon.parsers.errors import PerfmonError
@@ -92,6 +91,7 @@ _TORCH_SYMBOLS: tuple[tuple[tuple[str, ...], str, str, str], ...] = (
      "a rank's collective wait is its CUDA synchronisation only"),
 )
 _VERSION_FILE_BYTES = 64 << 10
+_VERSION_SHOWN_CHARS = 64  # the job writes version.py: its __version__ is shown escaped, cut
 _DUMP_TIMEOUT_S = 10.0
 
 
@@ -218,8 +218,7 @@ def torch_check(target: TargetProcess) -> Check:
     except SymbolNotFound as err:
         return Check("libtorch", FAILED, str(err), scope=JOB, fallback=NO_UPROBES)
     try:
-        with mmap.mmap(library.fd, 0, prot=mmap.PROT_READ) as buf:
-            found = find_function_symbols(buf, [p for row in _TORCH_SYMBOLS for p in row[0]])
+        found = find_function_symbols(library, [p for row in _TORCH_SYMBOLS for p in row[0]])
     except (OSError, ValueError, ElfError) as err:
         return Check("libtorch", FAILED, f"cannot read symbols of {target.torch_library}: {err}",
                      scope=JOB, fallback=NO_UPROBES)
@@ -249,7 +248,14 @@ def _torch_version(target: TargetProcess) -> str | None:
         data = read_job_file(target.pid, path, max_bytes=_VERSION_FILE_BYTES)
     except JobFileError:
         return None
-    return torch_version(data.decode("utf-8", "replace"))
+    version = torch_version(data.decode("utf-8", "replace"))
+    if version is None:
+        return None
+    # The job owns the file: "2.1\x1b[2J" must not clear the operator's screen (issue 36).
+    shown = printable(version)
+    if len(shown) > _VERSION_SHOWN_CHARS:
+        shown = shown[: _VERSION_SHOWN_CHARS - 3] + "..."
+    return shown
 
 
 def cuda_checks(target: TargetProcess) -> list[Check]:
@@ -325,10 +331,12 @@ def _print_table(checks: list[Check], host: dict[str, str]) -> None:
         if scope is not None and check.scope != scope:
             table.add_section()
         scope = check.scope
-        advice = "\n".join(f"{label}: {text}" for label, text in
+        # Details hold what the job controls (its mapped paths, its version.py): control
+        # characters are escaped so none reaches the operator's terminal (issue 36).
+        advice = "\n".join(f"{label}: {printable(text)}" for label, text in
                            (("fix", check.fix), ("falls back to", check.fallback)) if text)
         table.add_row(check.scope, check.name, f"[{_STYLE[check.status]}]{check.status}[/]",
-                      escape(check.detail), escape(advice))
+                      escape(printable(check.detail)), escape(advice))
     PipeConsole().print(table)
 
 
