@@ -180,11 +180,14 @@ def parse_moe_layer_freq(text: str) -> int | tuple[int, ...]:
     text = text.strip()
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         text = text[1:-1].strip()
+    # A job's command line holds it: shown bounded, and a chain of 50,000 "+" is past
+    # the parser's or the evaluator's recursion (RecursionError), not a pattern.
+    shown = repr(text) if len(text) <= 60 else f"{text[:60]!r}... ({len(text)} characters)"
     try:
         tree = ast.parse(text, mode="eval")
-    except SyntaxError as err:
-        raise ValueError(f"cannot parse {text!r}") from err
-    value = _eval_pattern(tree.body)
+        value = _eval_pattern(tree.body)
+    except (SyntaxError, RecursionError, MemoryError) as err:
+        raise ValueError(f"cannot parse {shown}") from err
     return value if isinstance(value, int) else tuple(value)
 
 
@@ -208,7 +211,9 @@ def _eval_pattern(node: ast.expr) -> int | list[int]:
             if len(seq) * times > _MAX_PATTERN_LENGTH:
                 raise ValueError(f"pattern longer than {_MAX_PATTERN_LENGTH} layers")
             return seq * times
-    raise ValueError(f"unsupported expression {ast.unparse(node)!r}")
+    shown = ast.unparse(node)
+    raise ValueError(f"unsupported expression {shown[:60]!r}"
+                     + (f"... ({len(shown)} characters)" if len(shown) > 60 else ""))
 
 
 def _unknown_key_message(key: object) -> str:

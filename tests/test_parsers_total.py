@@ -13,7 +13,8 @@ from perfmon.parsers.errors import ModelConfigError
 # Text a user can put in an argument, a variable or a file name: any code point but NUL
 # (the kernel ends each there), digits of every script and signs weighted in.
 ANY_TEXT = st.text(st.characters(blacklist_characters="\0"), max_size=64) | st.sampled_from(
-    ["²", "٣", "-1", "+3", " 7", "1_000", "0x10", "1e3", str(10**30), "9" * 5000, ""])
+    ["²", "٣", "-1", "+3", " 7", "1_000", "0x10", "1e3", str(10**30), "9" * 5000, "",
+     "+".join(["1"] * 50_000), "+".join(["[1]"] * 20_000), "(" * 300 + "1" + ")" * 300])
 JOB_KEYS = st.sampled_from(job_identity.JOB_KEYS)
 
 
