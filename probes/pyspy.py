@@ -29,6 +29,13 @@ itself uses ~4% of one core per process at 100 Hz, plus ~5 ms of CPU and
 20-60 ms of wall time to attach per window. Native stacks cannot be read
 without stopping the process, so ``dump_stacks(native=True)`` pauses it once.
 
+Bounded (security issue 36: a job's deep stacks made one window 608 MB and the agent
+was OOM-killed): a window's file over WINDOW_MAX_BYTES is not read, and is read event
+by event otherwise; a py-spy record grown past PYSPY_MAX_RSS_BYTES is killed; a dump's
+output is read up to DUMP_MAX_BYTES; threads, frames and names are capped by the
+parser (perfmon.parsers.pyspy), and what was cut is counted (``cuts``). Every py-spy
+is started as the OOM killer's first choice (perfmon.probes.pyspy_process).
+
 Needs: py-spy >= 0.4 (``pip install py-spy``), and ptrace access to the target:
 root with CAP_SYS_PTRACE (in a container, ``--cap-add SYS_PTRACE``), or the
 job's own user with /proc/sys/kernel/yama/ptrace_scope = 0. Python 3.x targets
@@ -39,9 +46,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -50,7 +55,10 @@ from dataclasses import replace
 
 import psutil
 from perfmon.parsers.pyspy import (
+    WINDOW_MAX_BYTES,
+    Cuts,
     PySpyOutputError,
+    PySpyOutputTooLarge,
     StackSample,
     ThreadStack,
     parse_chrometrace,
@@ -59,9 +67,13 @@ from perfmon.parsers.pyspy import (
 from perfmon.probes.errors import (
     NoSuchProcess,
     PrerequisiteMissing,
-    PrivilegeError,
     ProbeError,
-    UnsuitableTarget,
+)
+from perfmon.probes.pyspy_process import (
+    find_pyspy,
+    pyspy_failure,
+    run_pyspy,
+    spawn_pyspy,
 )
 from perfmon.probes.pyspy_windows import Lane, Window
 from perfmon.probes.sampler import Sampler, monotonic_ns
@@ -76,81 +88,26 @@ SETTLE_TIMEOUT_S = 2.0  # py-spy writes a 1 s window's file within ~0.1 s of SIG
 # 1.0-1.8 ms on an idle or busy 2-core host, up to ~13 ms when saturated.
 PYSPY_STARTUP_NS = 1_000_000
 _DUMP_ATTEMPTS = 3
-_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+# py-spy record holds a whole window in memory before writing it, ~3.6 times the file
+# it then writes: a record process grown past this is killed (its window counted as
+# cut), as its file would be over WINDOW_MAX_BYTES. Normal: ~7 MB at 200 Hz; a job of
+# 65 threads 950 frames deep (security issue 36): 280 MB for a 77 MB window, 2.8 GB
+# for the reported 608 MB.
+PYSPY_MAX_RSS_BYTES = 128 << 20
 _SAMPLES_LINE = re.compile(rb"Samples: (\d+) Errors: (\d+)")
-# RUST_BACKTRACE=1 (set in many dev shells) makes py-spy print a backtrace
-# after every error; we only want its "Error: ..." line.
-_ENV = {**os.environ, "RUST_BACKTRACE": "0"}
-
-
-def find_pyspy() -> str:
-    """Path of the py-spy binary: the one installed next to this Python first, then PATH.
-
-    Raises PrerequisiteMissing.
-    """
-    # pip installs py-spy's binary into the same bin/ as the interpreter; a venv
-    # run without activation has that bin/ off PATH.
-    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("py-spy")
-    if found:
-        return found
-    raise PrerequisiteMissing(
-        f"pid {os.getpid()} (perfmon-agent): py-spy not found next to {sys.executable} "
-        "or on PATH: pip install py-spy"
-    )
-
-
-def _ptrace_hint() -> str:
-    try:
-        with open(_PTRACE_SCOPE) as f:
-            scope = f" (now {f.read().strip()})"
-    except OSError:
-        scope = " (no Yama here)"
-    return (
-        "run as root with CAP_SYS_PTRACE (in a container: --cap-add SYS_PTRACE), or as the "
-        f"job's user with {_PTRACE_SCOPE} = 0{scope}"
-    )
-
-
-def _failure(pid: int, stderr: bytes, what: str) -> ProbeError:
-    """The error a failed py-spy run stands for, from its stderr."""
-    text = stderr.decode("utf-8", "replace")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    message = next((line for line in lines if line.startswith("Error:")), lines[0] if lines else "")
-    lowered = text.lower()
-    if "permission denied" in lowered or "operation not permitted" in lowered:
-        return PrivilegeError(f"pid {pid}: py-spy may not read this process: {_ptrace_hint()}")
-    if "failed to get process executable name" in lowered or "no such process" in lowered:
-        return NoSuchProcess(f"pid {pid}: no such process (py-spy {what})")
-    if "failed to find python version" in lowered or "python interpreter" in lowered:
-        return UnsuitableTarget(f"pid {pid}: py-spy finds no Python interpreter in it")
-    return ProbeError(f"pid {pid}: py-spy {what} failed: {message or 'no message'}")
-
-
-def _run(args: list[str], timeout_s: float, cancel: threading.Event | None
-         ) -> subprocess.CompletedProcess[bytes]:
-    """Run py-spy; TimeoutExpired past ``timeout_s``; killed at once when ``cancel`` is set."""
-    with subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, env=_ENV) as proc:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                out, err = proc.communicate(timeout=0.1 if cancel is not None else timeout_s)
-                return subprocess.CompletedProcess(args, proc.returncode, out, err)
-            except subprocess.TimeoutExpired:
-                if (cancel is not None and cancel.is_set()) or time.monotonic() >= deadline:
-                    proc.kill()
-                    proc.communicate()
-                    raise
 
 
 def dump_stacks(
     pid: int, *, native: bool = False, locals_: bool = False, timeout_s: float = 10,
     executable: str | None = None, cancel: threading.Event | None = None,
+    cuts: Cuts | None = None,
 ) -> list[ThreadStack]:
     """One snapshot of every Python thread of ``pid`` (``py-spy dump --json``).
+
+    Bounded (security issue 36): at most DUMP_MAX_BYTES of py-spy's output are read
+    (py-spy is killed past them; the threads whole within them are kept), and the
+    parser's caps on threads, frames per stack, names and locals apply; what was
+    cut is counted into ``cuts``.
 
     Non-blocking, except with ``native``: py-spy cannot unwind native frames of
     a running process, so it pauses the target once for the dump (seconds with
@@ -166,7 +123,7 @@ def dump_stacks(
     deadline = time.monotonic() + timeout_s
     for attempt in range(_DUMP_ATTEMPTS):
         try:
-            done = _run(args, max(0.1, deadline - time.monotonic()), cancel)
+            done = run_pyspy(args, max(0.1, deadline - time.monotonic()), cancel)
         except subprocess.TimeoutExpired as err:
             what = "was cancelled" if cancel is not None and cancel.is_set() else (
                 f"did not finish in {timeout_s} s")
@@ -175,13 +132,13 @@ def dump_stacks(
             raise PrerequisiteMissing(
                 f"pid {pid}: cannot run {args[0]} ({err.strerror}): pip install py-spy"
             ) from err
-        if done.returncode == 0:
+        if done.returncode == 0 or done.cut:
             try:
-                return parse_dump(done.stdout)
+                return parse_dump(done.stdout, cut=done.cut, cuts=cuts)
             except PySpyOutputError as err:
                 error: ProbeError = ProbeError(f"pid {pid}: {err}")
         else:
-            error = _failure(pid, done.stderr, "dump")
+            error = pyspy_failure(pid, done.stderr, "dump")
         # A non-blocking read races the running target ("Failed to get stack
         # traces", ~1 in 50 on a busy host): that is worth another try; a
         # missing process or privilege is not.
@@ -206,7 +163,10 @@ class PySpySampler(Sampler[StackSample]):
     when one is due; call it at least every ``window_s / 4`` for seamless
     windows. Counters, all data rather than failures: ``samples_total`` and
     ``sampling_errors_total`` (py-spy's own counts), ``lost_windows`` (no usable
-    output), ``gaps`` (a hole between consecutive windows), ``last_error``.
+    output), ``gaps`` (a hole between consecutive windows), ``last_error``, and
+    ``cuts``: what was left out to keep memory bounded (security issue 36: windows
+    over ``max_window_bytes`` or whose py-spy grew past ``max_pyspy_rss_bytes``
+    are not read; threads, frames and names over the parser's caps).
     ``ended_pids``: targets that exited.
     """
 
@@ -228,6 +188,9 @@ class PySpySampler(Sampler[StackSample]):
         self.sampled_ns = 0  # time the samples delivered so far cover
         self.duty = 1.0
         self.last_error: str | None = None
+        self.cuts = Cuts()
+        self.max_window_bytes = WINDOW_MAX_BYTES
+        self.max_pyspy_rss_bytes = PYSPY_MAX_RSS_BYTES
         self._windows: list[tuple[int, int, bool]] = []  # for take_windows()
         self._settled = False
         self._lanes: list[Lane] = []
@@ -269,10 +232,7 @@ class PySpySampler(Sampler[StackSample]):
             "--nonblocking", "--idle", "--full-filenames",
         ]
         t_spawn_ns = monotonic_ns()
-        proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=_ENV,
-        )
+        proc = spawn_pyspy(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for pipe in (proc.stdout, proc.stderr):
             assert pipe is not None
             os.set_blocking(pipe.fileno(), False)
@@ -311,6 +271,7 @@ class PySpySampler(Sampler[StackSample]):
         samples: list[StackSample] = []
         now = monotonic_ns()
         for lane in self._lanes:
+            self._watch_memory(lane)
             self._advance(lane, now)
             while lane.finishing and lane.finishing[0].proc.poll() is not None:
                 samples += self._harvest(lane, lane.finishing.pop(0))
@@ -349,6 +310,21 @@ class PySpySampler(Sampler[StackSample]):
         costs py-spy's CPU in proportion.
         """
         self.duty = min(1.0, max(MIN_DUTY, duty))
+
+    def _watch_memory(self, lane: Lane) -> None:
+        """Kill a py-spy record grown past ``max_pyspy_rss_bytes``: it holds its window's
+        samples until it writes them, and a job of very deep or very many stacks makes
+        them gigabytes (security issue 36). Its window is counted as cut."""
+        for window in (lane.current, lane.pending, *lane.finishing):
+            if (window is None or window.cut_reason is not None
+                    or window.proc.returncode is not None):  # reaped: its pid may be reused
+                continue
+            rss = window.rss_bytes()
+            if rss > self.max_pyspy_rss_bytes:
+                window.cut_reason = (f"py-spy record grew to {rss >> 20} MiB, over its cap of "
+                                     f"{self.max_pyspy_rss_bytes >> 20} MiB: window not read "
+                                     "(very deep or very many stacks)")
+                window.proc.kill()  # reaped by the harvest, like any ended window
 
     def _advance(self, lane: Lane, now: int) -> None:
         """Hand over from the current window to the next one once that one samples."""
@@ -392,26 +368,43 @@ class PySpySampler(Sampler[StackSample]):
             self.samples_total += int(counts.group(1))
             self.sampling_errors_total += int(counts.group(2))
         try:
-            with open(window.output, "rb") as f:
-                data = f.read()
-            os.unlink(window.output)
+            f = open(window.output, "rb")  # closed below, after the size check
         except FileNotFoundError:
-            error = _failure(lane.pid, window.stderr, "record")
+            if window.cut_reason is not None:
+                return self._cut(lane, window.cut_reason)
+            error = pyspy_failure(lane.pid, window.stderr, "record")
             if isinstance(error, NoSuchProcess) or _exited(lane.pid):
                 lane.ended = True  # the target exited: the end, not a failure
             else:
                 self.lost_windows += 1
                 self.last_error = str(error)
             return []
-        try:
-            samples = parse_chrometrace(
-                data, origin_mono_ns=window.origin_ns, kernel_tids=lane.kernel_tids
-            )
-        except PySpyOutputError as err:
-            self.lost_windows += 1
-            self.last_error = f"pid {lane.pid}: {err}"
-            return []
+        with f:
+            os.unlink(window.output)
+            size = os.fstat(f.fileno()).st_size
+            if window.cut_reason is not None:
+                return self._cut(lane, window.cut_reason)
+            if size > self.max_window_bytes:
+                return self._cut(lane, f"a py-spy window of {size} bytes, over the cap of "
+                                       f"{self.max_window_bytes}: not read (very deep or very "
+                                       "many stacks)")
+            try:
+                samples = parse_chrometrace(
+                    f, origin_mono_ns=window.origin_ns, kernel_tids=lane.kernel_tids,
+                    max_bytes=self.max_window_bytes, cuts=self.cuts,
+                )
+            except PySpyOutputTooLarge as err:  # grew after the check: not py-spy's way
+                return self._cut(lane, str(err))
+            except PySpyOutputError as err:
+                self.lost_windows += 1
+                self.last_error = f"pid {lane.pid}: {err}"
+                return []
         return self._join(lane, samples, window.stop_ns, window.pause_after)
+
+    def _cut(self, lane: Lane, reason: str) -> list[StackSample]:
+        self.cuts.windows += 1
+        self.last_error = f"pid {lane.pid}: {reason}"
+        return []
 
     def _join(self, lane: Lane, samples: list[StackSample], stop_ns: int | None,
               pause_after: bool = False) -> list[StackSample]:

@@ -13,6 +13,18 @@ from perfmon.probes.sampler import monotonic_ns
 
 # py-spy prints this just before it samples: the window then covers from here on.
 SAMPLING_LINE = b"Sampling process"
+# What is kept of each of a window's stdout and stderr: the head (the "Sampling
+# process" line, the first error) and the tail ("Samples: N Errors: M" at the end).
+# py-spy prints a few lines a window; a cap keeps a misbehaving one from growing them.
+PIPE_KEEP_BYTES = 32 << 10
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def _bounded(kept: bytes, new: bytes) -> bytes:
+    both = kept + new
+    if len(both) <= 2 * PIPE_KEEP_BYTES:
+        return both
+    return both[:PIPE_KEEP_BYTES] + both[-PIPE_KEEP_BYTES:]
 
 
 def read_available(fd: int) -> bytes:
@@ -39,13 +51,22 @@ class Window:
     pause_after: bool = False  # stopped at the end of a burst: no window follows at once
     sampling_since_ns: int | None = None  # when we saw it sampling
     discarded: bool = False  # killed before it sampled (the session ended): no output
+    cut_reason: str | None = None  # killed for its memory (PySpySampler._watch_memory)
     stdout: bytes = b""
     stderr: bytes = b""
 
     def read_pipes(self) -> None:
         assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.stdout += read_available(self.proc.stdout.fileno())
-        self.stderr += read_available(self.proc.stderr.fileno())
+        self.stdout = _bounded(self.stdout, read_available(self.proc.stdout.fileno()))
+        self.stderr = _bounded(self.stderr, read_available(self.proc.stderr.fileno()))
+
+    def rss_bytes(self) -> int:
+        """py-spy's resident memory now (0 once it has exited)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/statm", "rb") as f:
+                return int(f.read().split()[1]) * _PAGE_BYTES
+        except (OSError, IndexError, ValueError):
+            return 0
 
     @property
     def sampling(self) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 from perfmon.parsers.errors import PerfmonError
 from perfmon.parsers.events import JobIteration, Marker, Phase, Record, StackWindow
-from perfmon.parsers.pyspy import ThreadStack
+from perfmon.parsers.pyspy import Cuts, ThreadStack
 from perfmon.parsers.sampled_iterations import CounterRead, SampledIterationClock
 from perfmon.parsers.stack_analysis import (
     DEFAULT_ITERATION_LOCALS,
@@ -82,6 +82,7 @@ class StackSource(Source):
         self._next_read_ns = 0
         self._final = False
         self._calls = BackgroundCalls("perfmon-pyspy-dump")
+        self._dump_cuts = Cuts()  # counted by the worker thread's dumps (the sampler's: by poll)
 
     def _start(self) -> None:
         self.sampler.start()
@@ -133,11 +134,14 @@ class StackSource(Source):
         return records
 
     def quality(self) -> dict[str, Any]:
+        """The sampler's counters, and what was cut of py-spy's output to keep the agent's
+        memory bounded (``windows_cut``, ``stacks_cut``, ...: perfmon.parsers.pyspy.Cuts)."""
         s = self.sampler
         return {"samples": s.samples_total, "sampling_errors": s.sampling_errors_total,
                 "lost_windows": s.lost_windows, "gaps": s.gaps, "counter_reads": self._reads,
                 "reads_failed": self._reads_failed, "sampled_s": round(s.sampled_ns / 1e9, 1),
-                "duty_pct": round(100 * s.duty, 1), "rate_hz": s.rate_hz}
+                "duty_pct": round(100 * s.duty, 1), "rate_hz": s.rate_hz,
+                **(s.cuts + self._dump_cuts).counters()}
 
     def _phase_records(self, samples: Any) -> list[Record]:
         records: list[Record] = []
@@ -162,7 +166,8 @@ class StackSource(Source):
     def _read_locals(self) -> tuple[int, int, list[ThreadStack]]:
         """(start, end, threads) of one ``dump --locals``; runs in the worker thread."""
         before = monotonic_ns()
-        threads = dump_stacks(self.primary.pid, locals_=True, cancel=self._calls.cancel)
+        threads = dump_stacks(self.primary.pid, locals_=True, cancel=self._calls.cancel,
+                              cuts=self._dump_cuts)
         return before, monotonic_ns(), threads
 
     def _counter_read(self, read: tuple[int, int, list[ThreadStack]] | None,

@@ -10,6 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from perfmon.parsers.pyspy import (
+    DUMP_MAX_BYTES,
+    KEEP_FRAMES,
+    MAX_INNER_FRAMES,
+    MAX_NAME_CHARS,
+    MAX_OUTER_FRAMES,
+    MAX_THREADS,
+    MAX_WINDOW_FRAMES,
+    WINDOW_MAX_BYTES,
+)
+
 # Counters that are losses, and what to do about each.
 HINTS = {
     "events_dropped": "the ring buffer overflowed: events were lost (the agent was starved "
@@ -19,6 +30,20 @@ HINTS = {
     "gaps": "holes between py-spy windows: phases there are unsampled",
     "sampling_errors": "py-spy could not read some stacks (the job ran while it read); "
                        "harmless up to 5% of the samples",
+    # What was left out of py-spy's output to keep the agent's memory bounded (a job of
+    # very deep stacks, very many threads or very long names: security issue 36).
+    "windows_cut": f"py-spy windows too large to read (over {WINDOW_MAX_BYTES >> 20} MiB, or "
+                   "py-spy itself over its memory cap) were skipped: phases there are unsampled",
+    "dumps_cut": f"py-spy dumps over {DUMP_MAX_BYTES >> 20} MiB were cut: the threads after the "
+                 "cap are missing",
+    "threads_cut": f"threads beyond {MAX_THREADS} per process were left out of py-spy's stacks",
+    "stacks_cut": f"stacks deeper than {KEEP_FRAMES} frames kept their outermost "
+                  f"{MAX_OUTER_FRAMES} and innermost {MAX_INNER_FRAMES} (frames_cut: how many "
+                  "frames were left out)",
+    "names_cut": f"function, file or variable names over {MAX_NAME_CHARS} characters were "
+                 "shortened",
+    "samples_cut": "stack samples of threads other than the main one were dropped: a window "
+                   f"held over {MAX_WINDOW_FRAMES} frames",
     "missed_slots": "NVML samples were late or skipped (the agent was busy)",
     "read_errors": "reads of /proc failed (a rank exited)",
     "sync_untracked": "blocking CUDA calls whose return was not seen are not timed",
