@@ -126,7 +126,7 @@ def read_user_file(path: str, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> b
     """
     fd = open_user_file(path, what)
     try:
-        data = _read_capped(fd, max_bytes)
+        data = read_capped(fd, max_bytes)
     except OSError as err:
         raise InputFileError(f"{what} {path}: cannot read: {err.strerror}") from err
     finally:
@@ -153,8 +153,8 @@ def open_user_file(path: str, what: str) -> int:
     return fd
 
 
-def _read_capped(fd: int, max_bytes: int) -> bytes | None:
-    """Up to max_bytes from fd; None when there is more."""
+def read_capped(fd: int, max_bytes: int) -> bytes | None:
+    """Up to max_bytes from fd; None when there is more. Raises OSError."""
     chunks, total = [], 0
     while total <= max_bytes:
         chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pwd
 import shutil
 import signal
 import subprocess
@@ -21,8 +20,6 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +45,8 @@ from perfmon.parsers.pyspy import (
 )
 from perfmon.parsers.stack_analysis import classify_phase
 from perfmon.probes.pyspy_process import run_pyspy
+
+from tests.test_security import ordinary_user
 
 PID = 4242
 DEEP_STACKS = Path(__file__).parent / "targets" / "deep_stacks.py"
@@ -380,24 +379,6 @@ def test_every_pyspy_the_agent_starts_is_the_oom_killers_first_choice():
 
 # ---------------------------------------------------------------- the agent on a real job
 
-@contextmanager
-def _ordinary_user(name: str) -> Iterator[pwd.struct_passwd]:
-    """An ordinary user (created for the test and removed after, unless it was there)."""
-    created = False
-    try:
-        user = pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", name], check=True)
-        created = True
-        user = pwd.getpwnam(name)
-    try:
-        yield user
-    finally:
-        if created:
-            subprocess.run(["userdel", name], check=False)
-
-
 def _peak_rss_kib(pid: int) -> int:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
@@ -424,7 +405,7 @@ def test_the_agent_on_a_job_of_65_threads_950_frames_deep_stays_small_and_says_w
     agent_bin = shutil.which("perfmon-agent", path=os.path.dirname(sys.executable))
     assert agent_bin is not None
     out = Path(tempfile.mkdtemp(prefix="perfmon-bounds-"))
-    with _ordinary_user("perfmon-deep") as user:
+    with ordinary_user("perfmon-deep") as user:
         # Function names of 600 characters, a file name of 300: the issue's job.
         job = subprocess.Popen(
             [sys.executable, str(DEEP_STACKS), "--threads", "65", "--depth", "950",

@@ -36,7 +36,7 @@ from perfmon.agent.record.summary import (
 )
 from perfmon.parsers.errors import InputFileError, PerfmonError
 from perfmon.parsers.job_identity import decimal_number
-from perfmon.probes.files import open_user_file
+from perfmon.probes.files import open_user_file, read_capped
 
 # Given a run's source and its facts, what takes every entry of a replayed log.
 EntriesFor = Callable[[Path, dict[str, Any]], EntrySink]
@@ -123,20 +123,14 @@ def read_owned_file(path: Path, what: str, max_bytes: int) -> tuple[bytes, os.st
     fd = open_user_file(str(path), what)
     try:
         st = os.fstat(fd)
-        chunks, total = [], 0
-        while total <= max_bytes:
-            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
+        data = read_capped(fd, max_bytes)
     except OSError as err:
         raise InputFileError(f"{what} {path}: cannot read: {err.strerror}") from err
     finally:
         os.close(fd)
-    if total > max_bytes:
+    if data is None:
         raise InputFileError(f"{what} {path}: larger than {max_bytes >> 20} MiB")
-    return b"".join(chunks), st
+    return data, st
 
 
 def read_summary_run(path: Path) -> RecordedRun:
