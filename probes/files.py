@@ -124,8 +124,16 @@ def read_user_file(path: str, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> b
 
     Raises InputFileError with one line naming ``what`` and the path.
     """
+    return read_user_file_and_status(path, what, max_bytes)[0]
+
+
+def read_user_file_and_status(path: str, what: str, max_bytes: int
+                              ) -> tuple[bytes, os.stat_result]:
+    """As read_user_file, with the status of the very file read (its owner: whether a
+    file found in a shared folder is to be believed)."""
     fd = open_user_file(path, what)
     try:
+        st = os.fstat(fd)
         data = read_capped(fd, max_bytes)
     except OSError as err:
         raise InputFileError(f"{what} {path}: cannot read: {err.strerror}") from err
@@ -133,7 +141,7 @@ def read_user_file(path: str, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> b
         os.close(fd)
     if data is None:
         raise InputFileError(f"{what} {path}: larger than {max_bytes >> 20} MiB")
-    return data
+    return data, st
 
 
 def open_user_file(path: str, what: str) -> int:

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from perfmon.agent.record.layout import INCIDENT_RECORD, is_incident
-from perfmon.agent.record.runs import read_owned_file
 from perfmon.parsers.errors import InputFileError
 from perfmon.parsers.schema_filter import SchemaFilter
+from perfmon.probes.files import read_user_file_and_status
 
 MAX_RECORD_BYTES = 1 << 20
 MAX_DEPTH = 3
@@ -59,7 +59,7 @@ def read_incident(folder: Path) -> Incident | None:
     too big, nested too deep, or owned by neither root nor the user running this."""
     path = folder / INCIDENT_RECORD
     try:
-        raw, st = read_owned_file(path, "incident", MAX_RECORD_BYTES)
+        raw, st = read_user_file_and_status(str(path), "incident", MAX_RECORD_BYTES)
     except InputFileError as err:
         if "no such file" in str(err):
             return None

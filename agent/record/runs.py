@@ -36,7 +36,7 @@ from perfmon.agent.record.summary import (
 )
 from perfmon.parsers.errors import InputFileError, PerfmonError
 from perfmon.parsers.job_identity import decimal_number
-from perfmon.probes.files import open_user_file, read_capped
+from perfmon.probes.files import open_user_file, read_user_file_and_status
 
 # Given a run's source and its facts, what takes every entry of a replayed log.
 EntriesFor = Callable[[Path, dict[str, Any]], EntrySink]
@@ -116,27 +116,10 @@ def is_summary_file(path: Path) -> bool:
     return head.lstrip()[:1] == b"{"
 
 
-def read_owned_file(path: Path, what: str, max_bytes: int) -> tuple[bytes, os.stat_result]:
-    """The bytes of a regular file the user named or a folder holds (at most ``max_bytes``,
-    perfmon.probes.files.open_user_file's rules) and its status, of the one file read.
-    Raises InputFileError naming ``what`` and the path."""
-    fd = open_user_file(str(path), what)
-    try:
-        st = os.fstat(fd)
-        data = read_capped(fd, max_bytes)
-    except OSError as err:
-        raise InputFileError(f"{what} {path}: cannot read: {err.strerror}") from err
-    finally:
-        os.close(fd)
-    if data is None:
-        raise InputFileError(f"{what} {path}: larger than {max_bytes >> 20} MiB")
-    return data, st
-
-
 def read_summary_run(path: Path) -> RecordedRun:
     """A summary file as a run (its schema's problems as a warning), with its owner.
     InputFileError."""
-    data, st = read_owned_file(path, "summary", MAX_SUMMARY_BYTES)
+    data, st = read_user_file_and_status(str(path), "summary", MAX_SUMMARY_BYTES)
     summary, problem = parse_summary(data, path)
     return RecordedRun(path, "summary", summary, warnings=[problem] if problem else [],
                        mtime_s=st.st_mtime, owner_uid=st.st_uid)
