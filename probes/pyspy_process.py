@@ -9,7 +9,6 @@ means. Needs: py-spy >= 0.4 (``pip install py-spy``); /proc for the OOM score.
 
 from __future__ import annotations
 
-import errno
 import os
 import selectors
 import shutil
@@ -98,20 +97,17 @@ def _make_oom_victim(pid: int) -> None:
         pass
 
 
-# util-linux's choom sets the score and execs py-spy (same pid), so py-spy never runs a
-# moment with the agent's own score; where it is missing the score is set just after.
-_CHOOM = shutil.which("choom")
-
-
 def spawn_pyspy(args: list[str], **popen: Any) -> subprocess.Popen[bytes]:
     """Start a py-spy process (every py-spy the agent starts goes through here), with
-    stdin closed, no Rust backtraces, and the first place in the OOM killer's line."""
-    if shutil.which(args[0]) is None:  # as Popen says it, not as choom would
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), args[0])
-    wrapper = [_CHOOM, "-n", "1000", "--"] if _CHOOM else []
-    proc = subprocess.Popen([*wrapper, *args], stdin=subprocess.DEVNULL, env=_ENV, **popen)
-    if not wrapper:
-        _make_oom_victim(proc.pid)
+    stdin closed, no Rust backtraces, and the first place in the OOM killer's line.
+
+    The score is set just after the start: for the first tens of microseconds py-spy
+    has the agent's own (and is tiny). Not through a wrapper that sets it and execs
+    py-spy (util-linux's choom): its exec would delay py-spy's start by a millisecond
+    or more, and a record window's clock origin is the spawn time (perfmon.probes.pyspy).
+    """
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, env=_ENV, **popen)
+    _make_oom_victim(proc.pid)
     return proc
 
 

@@ -392,10 +392,15 @@ def _pyspy_oom_scores(pid: int) -> set[int]:
     agent sets it just after starting one)."""
     scores = set()
     try:
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
         for child in psutil.Process(pid).children(recursive=True):
-            if child.name() == "py-spy" and time.time() - child.create_time() > 0.1:
+            # Its age from its start ticks: psutil's create_time adds the boot time,
+            # which moves by a second with the wall clock.
+            started_s = int(Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1]
+                            .split()[19]) / os.sysconf("SC_CLK_TCK")
+            if child.name() == "py-spy" and uptime_s - started_s > 0.1:
                 scores.add(int(Path(f"/proc/{child.pid}/oom_score_adj").read_text()))
-    except (OSError, ValueError, psutil.Error):
+    except (OSError, ValueError, IndexError, psutil.Error):
         pass
     return scores
 
