@@ -17,8 +17,11 @@ pytestmark = pytest.mark.usefixtures("ebpf")
 def test_slow_data_loader_is_the_largest_phase_and_shares_add_up(start_target, agent, out_dir):
     # Loading takes as long as the step's compute, however fast the host is today (a fixed
     # delay is outgrown by backward on a slow day), so it is half of each step.
+    # 10 s: two or more bursts. A newly attached py-spy's first samples can be 100+ ms
+    # apart on a loaded host, and its first stack stands until the next: in the one
+    # burst of a 6 s attach that once made forward the largest phase in CI.
     target = start_target("--data-delay-factor", "1", warm_iterations=4)
-    run = agent.run("attach", "--pid", str(target.pid), "--duration", "6",
+    run = agent.run("attach", "--pid", str(target.pid), "--duration", "10",
                     "--log-interval", "20", "--output-dir", str(out_dir))
     assert run.returncode == 0, run.stderr
     summary = load_summary(out_dir)
