@@ -1,13 +1,28 @@
 """The goodput ledger on exact streams: every second of the wall time in one place, each
-cause as injected (real jobs: test_goodput_jobs.py)."""
+cause as injected; its window (attach or process start) and sessions that saw no
+iteration (unobserved) over generated sessions (real jobs: test_goodput_jobs.py)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from perfmon.agent.reducers import Summarizer
 from perfmon.agent.reducers.failslow import FailSlow
-from perfmon.agent.reducers.goodput import CAUSES, Goodput, combined, recorded_ledger
+from perfmon.agent.reducers.goodput import (
+    CAUSES,
+    FROM_START_STEPS,
+    Goodput,
+    Ledger,
+    combined,
+    recorded_ledger,
+)
+
+from tests.eventlogs import START_NS, session_facts
 
 S = 1_000_000_000
 MS = 1_000_000
@@ -17,9 +32,10 @@ class Stream:
     """A primary rank's iterations fed to the fail-slow detector and the ledger."""
 
     def __init__(self, attach_ns: int = 0, process_start_ns: int | None = None, gpus: int = 8,
-                 previous: dict | None = None) -> None:
+                 previous: dict | None = None, attach_only: bool = False) -> None:
         self.failslow = FailSlow(str)
-        self.goodput = Goodput(attach_ns, process_start_ns, gpus, previous)
+        self.goodput = Goodput(attach_ns, process_start_ns, gpus, previous,
+                               attach_only=attach_only)
         self.t = attach_ns
         self.rng = random.Random(4)
 
@@ -186,3 +202,187 @@ def test_a_hang_whose_record_comes_after_the_job_resumed_is_still_the_hangs():
     ledger = s.ledger()
     _adds_up(ledger)
     assert ledger["lost_seconds"]["hang"] == pytest.approx(7.9, rel=0.02)
+
+
+# -- the window: attach or process start; no iteration seen: unobserved ---------------------
+
+
+def test_the_issues_attach_to_a_job_whose_iterations_it_could_not_see_is_unobserved():
+    # Issue 37: attached for 30 s to a job that had trained for 48 s (a compiled optimizer
+    # step: no marker). It said goodput 0.0 with 76.7 s lost to startup.
+    for attach_only in (True, False):  # (attach; and a node service's session alike)
+        s = Stream(attach_ns=0, process_start_ns=-48 * S, attach_only=attach_only)
+        ledger = s.ledger(end_ns=30 * S)
+        _adds_up(ledger)
+        assert ledger["ratio"] is None and ledger["from"] == "attach"
+        assert ledger["unobserved_seconds"] == 30
+        assert ledger["unobserved_gpu_hours"] == pytest.approx(30 * 8 / 3600, abs=1e-6)
+        assert ledger["wall_seconds"] == ledger["productive_seconds"] == 0
+        assert not any(ledger["lost_seconds"].values()), ledger
+
+
+def test_attached_to_a_job_in_its_start_up_lost_time_starts_at_the_attach():
+    # Started 10 min before attach, its first iteration 40 s after it: the 40 s (less a
+    # healthy step) are start-up, the 10 min before the attach are nobody's.
+    s = Stream(attach_ns=0, process_start_ns=-600 * S, attach_only=True)
+    s.first(40 * S)
+    s.steps(60, 100)
+    ledger = s.ledger()
+    _adds_up(ledger)
+    assert ledger["from"] == "attach"
+    assert ledger["wall_seconds"] == pytest.approx(100, abs=0.2)
+    assert ledger["lost_seconds"]["startup"] == pytest.approx(39.9, abs=0.01)
+    # (the same job found by the node service: from its process start)
+    s = Stream(attach_ns=0, process_start_ns=-600 * S)
+    s.first(40 * S)
+    s.steps(60, 100)
+    assert s.ledger()["lost_seconds"]["startup"] == pytest.approx(639.9, abs=0.01)
+
+
+def test_a_process_the_previous_session_watched_starts_the_window_at_its_end():
+    # The node service's second session of the same process (it yielded its slot, or
+    # new ranks came): the first session counted the time up to its end.
+    before = {"ledger": Ledger(100, 90, gpus=8).to_dict(), "end_mono_ns": -50 * S}
+    s = Stream(attach_ns=0, process_start_ns=-3600 * S, previous=before)
+    s.first(30 * S)
+    s.steps(60, 100)
+    ledger = s.ledger()
+    _adds_up(ledger)
+    assert ledger["from"] == "previous_session"
+    assert ledger["wall_seconds"] == pytest.approx(140, abs=0.2)
+    assert ledger["job"]["wall_seconds"] == pytest.approx(240, abs=0.2)
+
+
+def test_unobserved_time_adds_up_beside_the_wall_time_never_into_the_ratio():
+    seen = Ledger(100, 80, gpus=8)
+    seen.lost_s["unexplained"] = 20
+    unseen = Ledger(gpus=4, unobserved_s=50)
+    assert Ledger.from_dict(unseen.to_dict()) == unseen
+    assert Ledger.from_dict(seen.to_dict()).unobserved_s == 0  # (and older ledgers: none)
+    assert unseen.to_dict()["ratio"] is None
+    total = recorded_ledger([unseen.to_dict(), seen.to_dict()])
+    assert total is not None and total.to_dict()["ratio"] == 0.8
+    assert total.unobserved_s == 50 and total.wall_s == 100
+    job = combined([seen, unseen])
+    # (GPU-seconds: 8 x 80 productive of 8 x 100 observed; the 4 x 50 unseen beside them)
+    assert job is not None and job.to_dict()["ratio"] == pytest.approx(0.8)
+    assert job.unobserved_s == pytest.approx(50 * 4 / 12)
+
+
+def test_the_session_says_who_started_it_and_older_logs_replay_as_before():
+    # (the goodput's window, from the facts the log starts with)
+    for started_by, attach_only in (("attach", True), ("tracker", False), (None, False)):
+        facts = {**session_facts(), "process_start_monotonic_ns": START_NS - 20 * S}
+        if started_by is not None:
+            facts["started_by"] = started_by
+        summarizer = Summarizer.from_facts(facts)
+        assert summarizer.goodput.attach_only is attach_only
+        summarizer.feed({"type": "session_end", "t_mono_ns": START_NS + 30 * S,
+                         "reason": "duration"})
+        goodput = summarizer.final_statistics()["goodput"]
+        assert goodput["ratio"] is None and goodput["unobserved_seconds"] == 30, goodput
+        assert goodput["lost_seconds"]["startup"] == 0
+
+
+@dataclass
+class Case:
+    """A generated session and its truth: when it attached and ended, who started it
+    (``attach_only``), the primary's process start, its iterations (none: not seen)."""
+
+    attach_ns: int
+    end_ns: int
+    attach_only: bool
+    process_start_ns: int | None
+    first_end_ns: int | None  # its first iteration's end; None: no iteration seen
+    step_ns: int
+    iterations: int
+    baseline: bool  # whether the healthy pace had formed (the fail-slow baseline)
+    previous_end_ns: int | None  # the job's previous session's end (node service)
+
+    def late(self) -> bool:
+        """Whether the job was not iterating at attach: its first iteration ended more
+        than two healthy steps after it (the healthy pace known: a step measured with
+        the baseline formed)."""
+        return (self.first_end_ns is not None and self.baseline and self.iterations > 0
+                and self.first_end_ns - self.attach_ns > FROM_START_STEPS * self.step_ns)
+
+    def truth_start(self) -> int:
+        """Where the window starts, by the rule: at the attach unless the node service or
+        run found a job not iterating at attach, from its process start (not before the
+        previous session's end); a session seeing no iteration at the attach."""
+        start = self.process_start_ns
+        if not self.late() or self.attach_only or start is None or start >= self.attach_ns:
+            return self.attach_ns
+        return max(start, self.previous_end_ns) if self.previous_end_ns is not None else start
+
+
+@st.composite
+def cases(draw: Any) -> Case:
+    attach = draw(st.integers(0, 10**15))
+    process_start = draw(st.one_of(
+        st.none(),
+        st.integers(attach - 7 * 86400 * S, attach - 1),  # before: attach to a running job
+        st.integers(attach, attach + 5 * S)))  # just at or after (clocks: its start seen)
+    step = draw(st.integers(10 * MS, 2 * S))
+    seen = draw(st.booleans())
+    first = attach + draw(st.integers(0, 300 * S)) if seen else None
+    iterations = draw(st.integers(0, 200)) if seen else 0
+    last = (first + iterations * step) if first is not None else attach
+    end = last + draw(st.integers(0, 60 * S))
+    previous = (attach - draw(st.integers(1, 3600 * S))
+                if draw(st.booleans()) else None)
+    return Case(attach, end, draw(st.booleans()), process_start, first, step, iterations,
+                draw(st.booleans()), previous)
+
+
+def _ledger_of(case: Case) -> dict[str, Any]:
+    previous = None
+    if case.previous_end_ns is not None:
+        earlier = Ledger(60, 50, gpus=2)
+        earlier.lost_s["hang"] = 10
+        previous = {"ledger": earlier.to_dict(), "end_mono_ns": case.previous_end_ns}
+    g = Goodput(case.attach_ns, case.process_start_ns, 2, previous,
+                attach_only=case.attach_only)
+    if case.first_end_ns is not None:
+        g.on_first_end(case.first_end_ns)
+        healthy = float(case.step_ns) if case.baseline else None
+        for k in range(1, case.iterations + 1):
+            g.on_iteration(case.first_end_ns + k * case.step_ns, case.step_ns, healthy)
+    return g.summary(case.end_ns, [], [], False)
+
+
+@settings(max_examples=400, deadline=None)
+@given(cases())
+def test_the_window_never_starts_before_an_attach_and_unseen_time_is_unobserved(case: Case):
+    ledger = _ledger_of(case)
+    _adds_up(ledger)
+    session_s = (case.end_ns - case.attach_ns) / 1e9
+    if case.first_end_ns is None:  # no iteration seen: not known, never startup
+        assert ledger["unobserved_seconds"] == pytest.approx(session_s, abs=1e-3)
+        assert ledger["ratio"] is None and ledger["from"] == "attach"
+        assert ledger["wall_seconds"] == ledger["productive_seconds"] == 0
+        assert not any(ledger["lost_seconds"].values()), ledger
+        return
+    assert ledger["unobserved_seconds"] == 0
+    assert ledger["ratio"] is None or 0 <= ledger["ratio"] <= 1
+    start = case.truth_start()
+    assert ledger["wall_seconds"] == pytest.approx((case.end_ns - start) / 1e9, abs=1e-3)
+    if case.attach_only or (case.process_start_ns is not None
+                            and case.process_start_ns >= case.attach_ns):
+        # attach to a process already running, or one whose start it saw: from the attach
+        assert ledger["from"] == "attach"
+        assert ledger["wall_seconds"] == pytest.approx(session_s, abs=1e-3)
+    expected_from = ("attach" if start == case.attach_ns else
+                     "process_start" if start == case.process_start_ns else "previous_session")
+    assert ledger["from"] == expected_from
+    # Start-up only for a job not iterating at attach: to its first iteration's end from
+    # the window's start, less a healthy step.
+    startup_ns = case.first_end_ns - start - case.step_ns if case.late() else 0
+    assert ledger["lost_seconds"]["startup"] == pytest.approx(startup_ns / 1e9, abs=1e-3)
+    if case.previous_end_ns is not None:  # the job's: the earlier 60 s, the gap, this one
+        job = ledger["job"]
+        _adds_up(job)
+        gap_s = max(0, start - case.previous_end_ns) / 1e9
+        assert job["wall_seconds"] == pytest.approx(60 + gap_s + ledger["wall_seconds"],
+                                                    abs=2e-3)
+        assert job["unobserved_seconds"] == 0

@@ -4,7 +4,9 @@ forward is slower by half for 30 s (the three side by side: they stand for GPU j
 tests/targets/train_gpt.py --device-ms, and barely use the CPU), and a torchrun job
 whose rank is killed and restarted (--max-restarts) from its last checkpoint. Each
 ledger adds up to the wall time, and each cause's seconds are what the job's own clock
-says was lost."""
+says was lost. And `attach` to jobs already running (so the ledger starts at the
+attach): one that makes no iteration while attached (unobserved), and one stalled at
+attach (its start-up counted from the attach, not from its process start)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from tests.conftest import (
     Target,
     _reap,
     ebpf_missing,
+    load_summary,
     wait_for,
 )
 from tests.test_trace import _load as trace_events
@@ -237,3 +240,53 @@ def test_a_killed_rank_restarted_by_torchrun_is_a_restart_in_the_jobs_ledger(
         job_ledger, truth_s, redone)
     assert second["session_info"]["job_before"]["last_job_iteration"] is not None
     incident(tmp_path, "exit", ranks=2)
+
+
+@pytest.mark.usefixtures("ebpf")
+def test_attached_to_a_job_that_makes_no_iteration_its_time_is_unobserved(
+        start_target: Any, agent: Agent, out_dir: Path) -> None:
+    # (issue 37: a job whose iterations the agent could not see read as goodput 0 and all
+    # of its time since its process start as startup; here the job made 3 and sleeps)
+    job = start_target(*DEVICE_JOB, "--train-iters", "3", "--after-train", "sleep",
+                       warm_iterations=3)
+    run = agent.run("attach", "--pid", str(job.pid), "--duration", "5", "--output-dir",
+                    str(out_dir))
+    assert run.returncode == 0, run.stderr
+    summary = load_summary(out_dir)
+    info, ledger = summary["session_info"], summary["final_statistics"]["goodput"]
+    assert info["started_by"] == "attach" and info["total_iterations"] == 0
+    assert info["process_start_monotonic_ns"] < info["attach_monotonic_ns"]
+    _adds_up(ledger)
+    assert ledger["ratio"] is None and ledger["from"] == "attach"
+    assert ledger["unobserved_seconds"] == pytest.approx(
+        (info["detach_monotonic_ns"] - info["attach_monotonic_ns"]) / 1e9, abs=0.002)
+    assert ledger["wall_seconds"] == 0 and not any(ledger["lost_seconds"].values()), ledger
+
+
+@pytest.mark.usefixtures("ebpf")
+def test_attached_to_a_stalled_job_its_lost_time_starts_at_the_attach(
+        start_target: Any, agent: Agent, out_dir: Path) -> None:
+    # Stalled for 20 s after its 3rd iteration (a long evaluation, a checkpoint), attached
+    # at once: its first iteration seen ends well after the attach. Its start-up is from
+    # the attach to it, never from its process start.
+    job = start_target(*DEVICE_JOB, "--stall-at", "3", "--stall-for", "20",
+                       warm_iterations=3)
+    run = agent.run("attach", "--pid", str(job.pid), "--duration", "40", "--output-dir",
+                    str(out_dir))
+    assert run.returncode == 0, run.stderr
+    summary = load_summary(out_dir)
+    info, ledger = summary["session_info"], summary["final_statistics"]["goodput"]
+    attach, detach = info["attach_monotonic_ns"], info["detach_monotonic_ns"]
+    first_end = min(t for _, t in job.timestamps() if t > attach)
+    assert first_end - attach > 2e9, "the stall was over before the attach"
+    assert info["started_by"] == "attach"
+    assert info["process_start_monotonic_ns"] < attach - 3e9  # (an older process)
+    _adds_up(ledger)
+    assert ledger["from"] == "attach"
+    assert ledger["wall_seconds"] == pytest.approx((detach - attach) / 1e9, abs=0.01)
+    # The job's own clock: from the attach to its first iteration's end, less a healthy step.
+    ends = [t for _, t in job.timestamps() if attach < t <= detach]
+    healthy = statistics.median(b - a for a, b in itertools.pairwise(ends))
+    assert ledger["lost_seconds"]["startup"] == pytest.approx(
+        (first_end - attach - healthy) / 1e9, abs=0.3), ledger
+    assert ledger["unobserved_seconds"] == 0 and ledger["ratio"] is not None

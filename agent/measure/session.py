@@ -278,6 +278,8 @@ class MonitorSession:
             "ranks": [t.rank for t in targets],
             "primary_pid": primary.pid,
             "process_start_monotonic_ns": primary.start_monotonic_ns,
+            # (the node service and run hand their sessions the processes they found)
+            "started_by": "attach" if self.context.targets is None else "tracker",
             "job_before": self.context.job_before,
             "command_line": primary.shown_cmdline,
             "torch_library": primary.torch_library,

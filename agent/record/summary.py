@@ -76,6 +76,7 @@ class SessionInfo(TypedDict, total=False):
     job: dict[str, Any] | None
     exit: dict[str, Any] | None
     process_start_monotonic_ns: int | None
+    started_by: Literal["attach", "tracker"] | None
     job_before: dict[str, Any] | None
 
 

@@ -77,6 +77,8 @@ class Summarizer:
             step_rows=bool(facts.get("step_rows")),
             process_start_ns=facts.get("process_start_monotonic_ns"),
             previous=facts.get("job_before"),
+            # (the goodput window starts at the attach; older logs say nothing: as before)
+            attach_only=facts.get("started_by") == "attach",
         )
 
     def __init__(self, workload: Workload, primary_pid: int, start_t_mono_ns: int,
@@ -85,7 +87,7 @@ class Summarizer:
                  max_log_entries: int | None = DEFAULT_MAX_LOG_ENTRIES,
                  ranks: dict[int, int | None] | None = None,
                  step_rows: bool = False, process_start_ns: int | None = None,
-                 previous: dict[str, Any] | None = None) -> None:
+                 previous: dict[str, Any] | None = None, attach_only: bool = False) -> None:
         self.workload = workload
         self.start_t_mono_ns = start_t_mono_ns
         self.start_wall_s = start_wall_s
@@ -104,7 +106,7 @@ class Summarizer:
                                self.wall_time)
         self.failslow = FailSlow(self.wall_time, self.ranks)
         self.goodput = Goodput(start_t_mono_ns, process_start_ns, len(ranks or [primary_pid]),
-                               previous)
+                               previous, attach_only=attach_only)
         self._latest_ns = start_t_mono_ns  # the latest record's time: "now" for the ledger
         self.intervals = Intervals(
             clock=self.clock, phases=self.phases, resources=self.resources, cuda=self.cuda,

@@ -1,14 +1,14 @@
 """Where the job's GPU-hours went: a goodput ledger (docs/metrics.md, "Goodput").
 
-A session's wall time, from the primary rank's process start (when the agent saw the
-job start: its first iteration ended well after attach) or else from attach, to
-detach, times its ranks (a GPU each; on CPU the ranks), split into productive time
-and time lost by cause, each measured:
+A session's wall time (its window: see ``Goodput.window_start``), to detach, times its
+ranks (a GPU each; on CPU the ranks), split into productive time and time lost by
+cause, each measured:
 
 - productive: every iteration at the job's healthy pace (the fail-slow baseline,
   perfmon.agent.reducers.failslow): min(step, healthy) of each, and the job's first
   iteration after its start-up;
-- startup: from the process start to its first iteration (less one healthy step);
+- startup: from the window's start (the process start, or the attach) to its first
+  iteration (less one healthy step), when the job was not iterating at attach;
 - hang: the time of the iterations that spanned a hang beyond a healthy step, and
   after the last iteration when the session ended hung;
 - straggler: in a straggler episode, its delay per step (at most the excess);
@@ -20,6 +20,10 @@ and time lost by cause, each measured:
   own counter went back), at the healthy pace;
 - unexplained: the rest (noise above the healthy pace, the tail after the last
   iteration), so the ledger always adds up to the wall time.
+
+With no iteration seen at all, nothing of the session is known (the job was starting,
+or iterating where the agent could not see it): its time, from attach to detach, is
+``unobserved``, outside the wall time, and goodput (``ratio``) is unknown (None).
 
 Steps are kept as per-second bins (iterations, time, excess; the bins widen, two into
 one, past MAX_BINS), so a week-long session stays small and the episodes are laid
@@ -35,7 +39,6 @@ from typing import Any
 CAUSES = ("startup", "hang", "restart", "straggler", "slowdown", "data_stall", "unexplained")
 MAX_BINS = 4096
 FROM_START_STEPS = 2  # the first iteration ended this many healthy steps after attach
-NEVER_ITERATED_FROM_START_S = 60  # no iteration yet: seen from its start if attached this soon
 
 
 @dataclass
@@ -49,16 +52,20 @@ class _Bin:
 
 @dataclass
 class Ledger:
-    """Seconds of one rank (of ``gpus``) by what they went to; productive + lost = wall."""
+    """Seconds of one rank (of ``gpus``) by what they went to; productive + lost = wall.
+    ``unobserved_s``: time of sessions that saw no iteration, outside the wall time (the
+    ratio is over the time the ledger knows of)."""
 
     wall_s: float = 0.0
     productive_s: float = 0.0
     lost_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))
     gpus: int = 1
+    unobserved_s: float = 0.0
 
     def add(self, other: Ledger) -> None:
         self.wall_s += other.wall_s
         self.productive_s += other.productive_s
+        self.unobserved_s += other.unobserved_s
         for cause, s in other.lost_s.items():
             self.lost_s[cause] += s
 
@@ -73,6 +80,8 @@ class Ledger:
             "gpu_hours": round(self.wall_s * hours, 6),
             "productive_gpu_hours": round(self.productive_s * hours, 6),
             "lost_gpu_hours": {c: round(s * hours, 6) for c, s in self.lost_s.items()},
+            "unobserved_seconds": round(self.unobserved_s, 3),
+            "unobserved_gpu_hours": round(self.unobserved_s * hours, 6),
         }
 
     @classmethod
@@ -81,20 +90,28 @@ class Ledger:
         for cause, s in (d.get("lost_seconds") or {}).items():
             if cause in lost and isinstance(s, int | float):
                 lost[cause] = float(s)
+        unobserved = d.get("unobserved_seconds")  # (absent before it was kept: none)
         return cls(float(d.get("wall_seconds") or 0.0), float(d.get("productive_seconds") or 0.0),
-                   lost, int(d.get("gpus") or 1))
+                   lost, int(d.get("gpus") or 1),
+                   float(unobserved) if isinstance(unobserved, int | float) else 0.0)
 
 
 class Goodput:
     """Feed the primary's iterations (``on_iteration``), its first end (``on_first_end``)
-    and hangs; ``summary`` lays the episodes over them."""
+    and hangs; ``summary`` lays the episodes over them.
+
+    ``attach_only``: the session was started on a process already running (``attach``,
+    session_info.started_by), so nothing before the attach is the agent's to count;
+    False (the node service and ``run``, on processes they just found, and logs from
+    before the fact was kept) lets the window start at the process start."""
 
     def __init__(self, attach_ns: int, process_start_ns: int | None, gpus: int,
-                 previous: dict[str, Any] | None = None) -> None:
+                 previous: dict[str, Any] | None = None, *, attach_only: bool = False) -> None:
         self.attach_ns = attach_ns
         self.process_start_ns = process_start_ns
         self.gpus = max(1, gpus)
         self.previous = previous  # the job's earlier sessions (serve, run): their ledger
+        self.attach_only = attach_only
         self.first_end_ns: int | None = None
         self.last_end_ns: int | None = None
         self.healthy_ns: float | None = None  # the latest healthy step seen
@@ -168,8 +185,9 @@ class Goodput:
         sessions of the job (``previous``), the job's as ``job`` (``first_job_iteration``:
         the job's own number of this session's first iteration, to count those redone)."""
         ledger, window_start = self._session(end_ns, fail_slow, list(stragglers), hung)
-        out = {**ledger.to_dict(), "from": "process_start" if window_start != self.attach_ns
-               else "attach", "last_end_mono_ns": self.last_end_ns}
+        out = {**ledger.to_dict(), "from": _window_from(window_start, self.attach_ns,
+                                                        self.process_start_ns),
+               "last_end_mono_ns": self.last_end_ns}
         if self.previous is not None:
             out["job"] = self._job(ledger, window_start, first_job_iteration).to_dict()
         return out
@@ -177,16 +195,18 @@ class Goodput:
     def _session(self, end_ns: int, fail_slow: list[dict[str, Any]],
                  stragglers: list[dict[str, Any]], hung: bool) -> tuple[Ledger, int]:
         healthy = self.healthy_ns or 0.0
-        from_start = self._from_start(healthy)
-        start = self.process_start_ns if from_start and self.process_start_ns else self.attach_ns
         ledger = Ledger(gpus=self.gpus)
+        if self.first_end_ns is None:  # (no iteration seen: starting, or unseen; not known)
+            ledger.unobserved_s = max(0, end_ns - self.attach_ns) / 1e9
+            return ledger, self.attach_ns
+        # Not iterating at attach: its first iteration ended a couple of healthy steps
+        # after it (else that iteration was running at attach).
+        started = self.first_end_ns - self.attach_ns > FROM_START_STEPS * healthy > 0
+        start = self.window_start() if started else self.attach_ns
         ledger.wall_s = max(0, end_ns - start) / 1e9
         lost = ledger.lost_s
-        if self.first_end_ns is None:  # (no iteration: all start-up, or not known)
-            lost["startup" if from_start else "unexplained"] = ledger.wall_s
-            return ledger, start
         productive_ns: float
-        if from_start:
+        if started:
             productive_ns = min(healthy, self.first_end_ns - start)
             lost["startup"] = (self.first_end_ns - start - productive_ns) / 1e9
         else:
@@ -217,15 +237,18 @@ class Goodput:
         lost["unexplained"] = max(0.0, lost["unexplained"])
         return ledger, start
 
-    def _from_start(self, healthy: float) -> bool:
-        """Whether the agent saw the job start: its first iteration ended more than a
-        couple of healthy steps after attach (it was not iterating yet), or, with no
-        iteration yet, the process started shortly before attach."""
-        if self.process_start_ns is None or self.process_start_ns > self.attach_ns:
-            return False
-        if self.first_end_ns is None:
-            return self.attach_ns - self.process_start_ns < NEVER_ITERATED_FROM_START_S * 1e9
-        return self.first_end_ns - self.attach_ns > FROM_START_STEPS * healthy > 0
+    def window_start(self) -> int:
+        """Where the window of a job not iterating at attach starts: the primary's process
+        start when the session may have seen it (not ``attach_only``), and never before
+        the job's previous session ended (that one counted the time up to its end); the
+        attach otherwise (``attach`` to a running process, a process start not known or
+        after the attach). Never after the attach."""
+        start = self.process_start_ns
+        if self.attach_only or start is None or start >= self.attach_ns:
+            return self.attach_ns
+        if self.previous is not None:
+            start = max(start, int(self.previous["end_mono_ns"]))
+        return min(start, self.attach_ns)
 
     def _job(self, session: Ledger, window_start: int, first: int | None) -> Ledger:
         """The job's ledger: its earlier sessions', then the restart (from the previous
@@ -234,7 +257,8 @@ class Goodput:
         assert self.previous is not None
         job = Ledger.from_dict(self.previous["ledger"])
         job.gpus = max(job.gpus, session.gpus)
-        here = Ledger(session.wall_s, session.productive_s, dict(session.lost_s), session.gpus)
+        here = Ledger(session.wall_s, session.productive_s, dict(session.lost_s), session.gpus,
+                      session.unobserved_s)
         end_ns = int(self.previous["end_mono_ns"])
         gap_s = max(0, window_start - end_ns) / 1e9
         here.wall_s += gap_s
@@ -283,9 +307,17 @@ def combined(ledgers: list[Ledger]) -> Ledger | None:
     out = Ledger(gpus=gpus)
     out.wall_s = sum(x.wall_s * x.gpus for x in ledgers) / gpus
     out.productive_s = sum(x.productive_s * x.gpus for x in ledgers) / gpus
+    out.unobserved_s = sum(x.unobserved_s * x.gpus for x in ledgers) / gpus
     for cause in CAUSES:
         out.lost_s[cause] = sum(x.lost_s[cause] * x.gpus for x in ledgers) / gpus
     return out
+
+
+def _window_from(start: int, attach_ns: int, process_start_ns: int | None) -> str:
+    """``from``: what the window starts at."""
+    if start == attach_ns:
+        return "attach"
+    return "process_start" if start == process_start_ns else "previous_session"
 
 
 def _episodes(events: list[dict[str, Any]], end_ns: int) -> list[tuple[int, int, str]]:
