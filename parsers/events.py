@@ -30,6 +30,7 @@ MARKER_KINDS = (
     "backward_exit",
     "wait_enter",
     "wait_exit",
+    "grad_read",
 )
 
 

@@ -91,6 +91,7 @@ from perfmon.probes.uprobes import (
     ENGINE_EXECUTE_SYMBOL,
     RECORD_FUNCTION_SYMBOLS,
     MarkerEvent,
+    UpdateAccount,
     open_torch_library,
     step_prefixes,
 )
@@ -194,6 +195,7 @@ class TracefsMarkerProbe(Source):
         self._prefixes = step_prefixes(step_kinds)
         self.targets = targets
         self.dropped = 0
+        self.updates = UpdateAccount()
         self.events = 0
         self.group = f"{GROUP_PREFIX}{os.getpid()}"
         self._root = ""
@@ -372,7 +374,8 @@ class TracefsMarkerProbe(Source):
     # -- polling --
 
     def quality(self) -> dict[str, Any]:
-        return {"events": self.events, "events_dropped": self.dropped}
+        return {"events": self.events, "events_dropped": self.dropped,
+                **self.updates.quality()}
 
     def _poll(self) -> list[Record]:
         if self._trace is None or not self._trace.reading:
@@ -422,7 +425,10 @@ class TracefsMarkerProbe(Source):
                            name=name)
 
     def _account(self, event: MarkerEvent) -> list[Record]:
-        """What of a marker is logged (probes.waits.WaitAccount.account)."""
+        """What of a marker is logged (probes.waits.WaitAccount.account). (No gradient
+        reads here: a tracefs uprobe traps in every process that maps the library, and
+        they are frequent; a job without torch.optim's step shows as unmeasured.)"""
+        self.updates.on_marker(event)
         return self._waits.account(event, event.pid in self._waits_probed, self.raw_waits)
 
     @property

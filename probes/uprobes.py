@@ -3,7 +3,10 @@
 Measures: the exact CLOCK_MONOTONIC time of every ``Optimizer.step``,
 ``Optimizer.zero_grad`` and DataLoader ``__next__`` entry (PyTorch wraps each
 in a ``record_function`` block, whose C++ entry point we probe) and of every
-``torch::autograd::Engine::execute`` entry and exit (one per ``backward()``), and
+``torch::autograd::Engine::execute`` entry and exit (one per ``backward()``); of the
+first gradient read after a backward pass (``c10::TensorImpl::grad`` in libc10,
+``grad_read``: the update of a job without torch.optim's marker, probed only until
+the process shows that marker), and
 the time blocked in the c10d calls that wait on a collective
 (``COLLECTIVE_WAIT_SYMBOLS``): accounted in the kernel and carried by each step's
 event (a ``waits`` record), with each entry and return as ``wait_enter`` /
@@ -32,6 +35,7 @@ from collections.abc import Iterable
 from importlib import resources
 from typing import Any
 
+from perfmon.parsers import procfs
 from perfmon.parsers.elf_symbols import ElfError, ElfSymbol, find_function_symbols
 from perfmon.parsers.events import MARKER_KINDS, Marker, Record, WaitTotals
 from perfmon.parsers.procfs import (
@@ -41,10 +45,15 @@ from perfmon.parsers.procfs import (
     CAP_SYS_PTRACE,
     missing_capabilities,
 )
-from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError, SymbolNotFound
+from perfmon.probes.errors import (
+    NoSuchProcess,
+    PrerequisiteMissing,
+    PrivilegeError,
+    SymbolNotFound,
+)
 from perfmon.probes.files import MappedLibrary, PathRefused
 from perfmon.probes.ftrace import remove_bcc_uprobe_events
-from perfmon.probes.procfs import TargetProcess, agent_capabilities
+from perfmon.probes.procfs import TargetProcess, agent_capabilities, read_proc
 from perfmon.probes.sampler import Source
 
 # Mangled-name prefixes: the full names differ across releases (c10::optional
@@ -54,6 +63,12 @@ RECORD_FUNCTION_SYMBOLS = (
     "_ZN5torch8autograd8profiler21record_function_enterE",  # older
 )
 ENGINE_EXECUTE_SYMBOL = "_ZN5torch8autograd6Engine7executeE"
+# c10::TensorImpl::grad() const: what every read of a parameter's gradient calls
+# (Python's ``.grad``, torch.optim, the inputs of a compiled optimizer step, a
+# hand-written ``p -= lr * p.grad``), out of line in libc10. Reads inside backward()
+# leave nothing (iterations.bpf.c), so one event an update leaves the kernel.
+GRAD_READ_SYMBOL = "_ZNK3c1010TensorImpl4gradEv"
+C10_LIBRARY_PREFIX = "libc10."  # (not libc10_cuda)
 # Where a rank blocks on a collective, for gloo and NCCL process groups alike:
 # c10d::Work::wait (an explicit ``work.wait()``, synchronous collectives, gloo's
 # async work) and DDP's Reducer::finalize_backward (waits for every bucket's
@@ -79,6 +94,7 @@ DEFAULT_STEP_KINDS = ("optimizer_step",)
 _NAME_LEN = 64
 _EVENT_HEAD = struct.Struct("<QIII4xQQ")  # event_t up to its name (iterations.bpf.c)
 _OPTIMIZER_STEP = MARKER_KINDS.index("optimizer_step") + 1
+_UPDATE_ENDS = (_OPTIMIZER_STEP, MARKER_KINDS.index("grad_read") + 1)
 DEFAULT_RING_PAGES = 64  # 256 KiB: ~2,300 markers between two polls
 _PREFIX_WORDS = 3
 _MAX_PREFIXES = 4
@@ -157,6 +173,37 @@ def open_torch_library(target: TargetProcess) -> MappedLibrary:
         raise SymbolNotFound(
             f"pid {target.pid} ({target.name}): cannot open {target.torch_library}: {err}"
         ) from err
+
+
+def find_grad_read(target: TargetProcess) -> tuple[MappedLibrary, ElfSymbol]:
+    """The target's libc10 as it mapped it, held open, and its gradient read
+    (GRAD_READ_SYMBOL); SymbolNotFound when either cannot be had."""
+    try:
+        maps = read_proc(target.pid, "maps")
+    except (NoSuchProcess, PrivilegeError) as err:
+        raise SymbolNotFound(f"pid {target.pid} ({target.name}): cannot read its maps: {err}"
+                             ) from err
+    mapping = procfs.mapped_file(procfs.parse_maps(maps), C10_LIBRARY_PREFIX)  # type: ignore[arg-type]
+    if mapping is None:
+        raise SymbolNotFound(f"pid {target.pid} ({target.name}): libc10 is not loaded")
+    try:
+        library = MappedLibrary(target.pid, mapping)
+    except (OSError, PathRefused) as err:
+        raise SymbolNotFound(
+            f"pid {target.pid} ({target.name}): cannot open {mapping.path}: {err}") from err
+    try:
+        found = find_function_symbols(library, (GRAD_READ_SYMBOL,))[GRAD_READ_SYMBOL]
+    except (OSError, ValueError, ElfError) as err:
+        library.close()
+        raise SymbolNotFound(
+            f"pid {target.pid} ({target.name}): cannot read symbols of {mapping.path}: {err}"
+        ) from err
+    exact = [sym for sym in found if sym.name == GRAD_READ_SYMBOL]
+    if not exact:
+        library.close()
+        raise SymbolNotFound(f"pid {target.pid} ({target.name}): {mapping.path} exports no "
+                             "c10::TensorImpl::grad")
+    return library, exact[0]
 
 
 def find_torch_symbols(target: TargetProcess, library: MappedLibrary
@@ -276,6 +323,29 @@ def _fill_step_prefixes(bpf: Any, prefixes: dict[str, str]) -> None:
     table[ctypes.c_int(0)] = leaf
 
 
+class UpdateAccount:
+    """Backward passes and update ends (Optimizer.step, grad_read) per process, from the
+    markers: a rank whose backward passes run but none of whose updates any probe saw
+    is one whose iterations are not measured at all (a loss, never "nothing missed")."""
+
+    def __init__(self) -> None:
+        self.backward_passes: dict[int, int] = {}
+        self.update_ends: dict[int, int] = {}
+
+    def on_marker(self, marker: Marker) -> None:
+        if marker.kind == "backward_exit":
+            self.backward_passes[marker.pid] = self.backward_passes.get(marker.pid, 0) + 1
+        elif marker.kind in ("optimizer_step", "grad_read"):
+            self.update_ends[marker.pid] = self.update_ends.get(marker.pid, 0) + 1
+
+    def quality(self) -> dict[str, int]:
+        return {"backward_passes": sum(self.backward_passes.values()),
+                "update_ends": sum(self.update_ends.values()),
+                "backward_passes_unmeasured": sum(
+                    n for pid, n in self.backward_passes.items()
+                    if not self.update_ends.get(pid))}
+
+
 class MarkerProbe(Source):
     """Uprobes on the step markers of one or more PyTorch processes.
 
@@ -301,9 +371,14 @@ class MarkerProbe(Source):
         self._bpf: Any = None
         self._raw: list[bytes] = []  # events as the ring buffer delivered them
         self._libraries: dict[int, MappedLibrary] = {}
+        self._c10_libraries: dict[int, MappedLibrary] = {}
         self._waits_probed: set[int] = set()  # pids whose collective waits are accounted
         self._wait_points: list[tuple[bytes, int, int]] = []  # (library, address, pid)
         self._wait_events: set[bytes] = set()  # bcc's names of the attached wait probes
+        # pid -> bcc's names of its gradient-read probe, while it has shown no
+        # Optimizer.step (the exact marker: then it is detached, costing nothing more)
+        self._grad_events: dict[int, set[bytes]] = {}
+        self.updates = UpdateAccount()
         self.waits_on = True
         self.raw_waits = raw_waits
 
@@ -342,20 +417,55 @@ class MarkerProbe(Source):
                     f"{err}{_attach_hint()}"
                 ) from err
         for sym in engine:
-            self._bpf.attach_uprobe(name=lib, addr=sym.address, fn_name=b"on_backward_enter",
-                                    pid=target.pid)
+            # Return first: a backward pass entered between the two attaches then shows
+            # only its exit (ignored), never an entry without an exit, which would leave
+            # the process "inside backward()" for good and hide its gradient reads.
             self._bpf.attach_uretprobe(name=lib, addr=sym.address, fn_name=b"on_backward_exit",
                                        pid=target.pid)
+            self._bpf.attach_uprobe(name=lib, addr=sym.address, fn_name=b"on_backward_enter",
+                                    pid=target.pid)
         if not engine:
             self.warnings.append(
                 f"pid {target.pid} ({target.name}): {target.torch_library} exports no "
                 "torch::autograd::Engine::execute: micro-batches per step are not counted"
             )
+        else:
+            self._attach_grad_read(target)
         if wait:
             self._waits_probed.add(target.pid)
         points = [(lib, sym.address, target.pid) for sym in wait]
         self._wait_points += points
         self._attach_waits(points)
+
+    def _attach_grad_read(self, target: TargetProcess) -> None:
+        """The update probe of a job without torch.optim's marker (iterations.bpf.c's
+        on_grad_read); a target where it cannot be had is a warning: its iterations
+        then come from Optimizer.step alone."""
+        try:
+            library, symbol = find_grad_read(target)
+        except SymbolNotFound as err:
+            self.warnings.append(f"{err}: a job that steps without torch.optim (a compiled "
+                                 "or hand-written update) is not measured")
+            return
+        self._c10_libraries[target.pid] = library
+        before = set(self._bpf.uprobe_fds)
+        try:
+            self._bpf.attach_uprobe(name=library.probe_path.encode(), addr=symbol.address,
+                                    fn_name=b"on_grad_read", pid=target.pid)
+        except Exception as err:  # bcc raises bare Exception on attach failure
+            self.warnings.append(f"pid {target.pid} ({target.name}): cannot attach uprobe to "
+                                 f"{symbol.name}: {err}: a job that steps without torch.optim "
+                                 "is not measured")
+        self._grad_events[target.pid] = set(self._bpf.uprobe_fds) - before
+
+    def _detach(self, ev_names: Iterable[bytes]) -> None:
+        """Detach these probes (bcc's event names), entry probes before return probes,
+        the fds closed as close_bpf does."""
+        from bcc import lib as bcc_lib
+
+        for ev_name in sorted(ev_names, key=lambda e: not e.startswith(b"p_")):
+            bcc_lib.bpf_close_perf_event_fd(self._bpf.uprobe_fds[ev_name])
+            self._bpf._del_uprobe_fd(ev_name)
 
     def _attach_waits(self, points: list[tuple[bytes, int, int]]) -> None:
         before = set(self._bpf.uprobe_fds)
@@ -372,16 +482,11 @@ class MarkerProbe(Source):
         returns go unseen, and the totals stay as they were."""
         if self._bpf is None or on == self.waits_on:
             return
-        from bcc import lib as bcc_lib
-
         if on:
             self._attach_waits(self._wait_points)
         else:
-            # Entry probes first, so no wait is entered whose return goes unseen, then
-            # the returns (the fds closed as close_bpf does).
-            for ev_name in sorted(self._wait_events, key=lambda e: not e.startswith(b"p_")):
-                bcc_lib.bpf_close_perf_event_fd(self._bpf.uprobe_fds[ev_name])
-                self._bpf._del_uprobe_fd(ev_name)
+            # Entry probes first, so no wait is entered whose return goes unseen.
+            self._detach(self._wait_events)
             self._wait_events = set()
             self._bpf[b"wait_threads"].clear()
         self.waits_on = on
@@ -397,14 +502,22 @@ class MarkerProbe(Source):
         self.dropped = int(dropped)
         raw, self._raw = self._raw, []
         events: list[Record] = []
+        stepped = set()
         for data in raw:
             # struct event_t of iterations.bpf.c: u64 t, u32 pid, tid, kind, pad, u64
             # wait_ns, waits; name.
             t, pid, tid, kind, wait_ns, waits = _EVENT_HEAD.unpack_from(data)
             name = data[_EVENT_HEAD.size:].split(b"\0", 1)[0].decode("utf-8", "replace")
-            if kind == _OPTIMIZER_STEP and pid in self._waits_probed:
-                events.append(WaitTotals(t, pid, wait_ns, waits))
-            events.append(Marker(t, pid, tid, MARKER_KINDS[kind - 1], name))
+            if kind in _UPDATE_ENDS:
+                if kind == _OPTIMIZER_STEP:
+                    stepped.add(pid)
+                if pid in self._waits_probed:
+                    events.append(WaitTotals(t, pid, wait_ns, waits))
+            marker = Marker(t, pid, tid, MARKER_KINDS[kind - 1], name)
+            self.updates.on_marker(marker)
+            events.append(marker)
+        for pid in stepped & self._grad_events.keys():
+            self._detach(self._grad_events.pop(pid))
         self.events += len(events)
         return events
 
@@ -421,15 +534,17 @@ class MarkerProbe(Source):
         self.raw_waits = on
 
     def quality(self) -> dict[str, Any]:
-        return {"events": self.events, "events_dropped": self.dropped}
+        return {"events": self.events, "events_dropped": self.dropped,
+                **self.updates.quality()}
 
     def _close(self) -> None:
+        libraries = [*self._libraries.values(), *self._c10_libraries.values()]
         if self._bpf is not None:
-            close_bpf(self._bpf, self._libraries.values())
+            close_bpf(self._bpf, libraries)
             self._bpf = None
-        for library in self._libraries.values():
+        for library in libraries:
             library.close()
-        self._libraries = {}
+        self._libraries, self._c10_libraries = {}, {}
 
 
 def close_bpf(bpf: Any, libraries: Iterable[MappedLibrary] = ()) -> None:

@@ -98,8 +98,10 @@ class FinalStatistics(TypedDict, total=False):
     avg_hardware_tflops_per_gpu: float | None
     measured_iterations: int | None
     iteration_estimator: Literal[
-        "uprobe", "counter", "phase_transitions", "optimizer_frame", "function"] | None
+        "uprobe", "grad_read", "counter", "phase_transitions", "optimizer_frame", "function"
+    ] | None
     iteration_estimators: dict[str, Any] | None
+    iteration_clock: Literal["exact", "estimated"] | None
     lost_events: int | None
     memory_kind: Literal["gpu", "rss"] | None
     avg_gpu_utilization_pct: float | None

@@ -325,7 +325,7 @@ class Summarizer:
             "stragglers": self.ranks.stragglers(),
             "fail_slow": self.failslow.summary(),
             "goodput": self._goodput(),
-            "data_quality": self.quality.summary(),
+            "data_quality": self.quality.summary({"iterations": self.clock.quality()}),
         }
         # Each rank's memory peaks (resources) and its step, wait and compute means.
         times = self.ranks.summary()

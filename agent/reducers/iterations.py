@@ -15,6 +15,11 @@ from typing import Any
 
 from perfmon.parsers.workload import Workload
 
+# How an end was found, when it is exact: torch.optim's Optimizer.step marker
+# ("uprobe"), or the first gradient read after backward passes ("grad_read",
+# perfmon.agent.reducers.steps). Every other estimator (py-spy's) is an estimate.
+EXACT_ESTIMATORS = frozenset(("uprobe", "grad_read"))
+
 
 @dataclass(frozen=True)
 class Iteration:
@@ -85,6 +90,9 @@ class IterationClock:
         self._step_ns = array("q")
         self._microbatches = array("q")
         self._recent_ends: deque[int] = deque(maxlen=1024)
+        # Backward passes per update of the ends found by gradient reads: a count
+        # that varies says a gradient was read between micro-batches (split updates).
+        self._grad_read_micro: dict[int, int] = {}
         self.job = JobNumbering(self)
 
     def on_row(self, t_ns: int, micro: int | None, how: str) -> Iteration | None:
@@ -109,8 +117,34 @@ class IterationClock:
         self._step_ns.append(step_ns)
         if micro is not None:
             self._microbatches.append(micro)
+            if how == "grad_read" and len(self._grad_read_micro) < 64:
+                self._grad_read_micro[micro] = self._grad_read_micro.get(micro, 0) + 1
         self.totals.add(it)
         return it
+
+    @property
+    def exact(self) -> bool | None:
+        """Whether every measured iteration's end was exact (None: none measured)."""
+        if not self.estimators:
+            return None
+        return all(how in EXACT_ESTIMATORS for how in self.estimators)
+
+    def quality(self) -> dict[str, int]:
+        """The clock's own losses, as a source's counters (data_quality, source
+        ``iterations``): derived from the rows, so a replay finds the same."""
+        measured = self.measured
+        usual = max(self._grad_read_micro, key=self._grad_read_micro.__getitem__,
+                    default=None)
+        return {
+            "measured": measured,
+            "none_measured": int(measured == 0),
+            "ends_estimated": sum(n for how, n in self.estimators.items()
+                                  if how not in EXACT_ESTIMATORS),
+            "microbatches_unknown": measured - len(self._microbatches),
+            "microbatches_varied": sum(n for micro, n in self._grad_read_micro.items()
+                                       if micro != usual),
+            "counter_disagrees": self.job.disagreement,
+        }
 
     @property
     def measured(self) -> int:
@@ -146,6 +180,7 @@ class IterationClock:
             "iteration_estimator": (max(self.estimators, key=self.estimators.__getitem__)
                                     if self.estimators else None),
             "iteration_estimators": dict(self.estimators),
+            "iteration_clock": {True: "exact", False: "estimated", None: None}[self.exact],
             "microbatches_per_step": (
                 int(statistics.median_low(self._microbatches)) if self._microbatches else None),
         }
@@ -199,6 +234,20 @@ class JobNumbering:
             else:
                 self._bounds.append((read["value"] - after, read["value"] - before))
         self._reads = unresolved
+
+    @property
+    def disagreement(self) -> int:
+        """How far the job's own counter and our count drifted apart: how much the
+        offsets of the reads (exact ones late in a step, and the bounds of the others)
+        fail to meet. 0 when they agree, as they do when every iteration end is found;
+        a count that runs ahead of the job's (split updates) or behind it (missed ends)
+        spreads them. A spread of one is forgiven: a read can race the job's increment.
+        None measured: 0 (nothing to compare; that is a loss of its own)."""
+        if self.clock.measured == 0:
+            return 0
+        lows = [*self._offsets, *(lo for lo, _ in self._bounds)]
+        highs = [*self._offsets, *(hi for _, hi in self._bounds)]
+        return max(0, max(lows) - min(highs) - 1) if lows else 0
 
     @property
     def offset(self) -> int | None:

@@ -50,6 +50,25 @@ HINTS = {
     "nccl_unknown_dtype_calls": "NCCL calls with an unknown datatype: bytes not counted",
     "attach_failed": "the source could not attach to some rank",
     "reads_failed": "reads of the job's iteration counter failed",
+    # The iteration clock's own (source "iterations", derived from the rows).
+    "none_measured": "no iteration was measured: the job did not train while attached, or "
+                     "trained where no probe saw an iteration end (see the other losses; "
+                     "--iteration-variable NAME reads the job's own counter)",
+    "ends_estimated": "iterations estimated from py-spy stack samples, not exact markers: "
+                      "counts and step times are approximate (iteration_estimators)",
+    "microbatches_unknown": "iterations whose micro-batches are unknown (no backward() "
+                            "probe): samples, tokens and FLOPs rest on --model-config's "
+                            "global batch size",
+    "microbatches_varied": "updates found by gradient reads whose backward passes differ "
+                           "from the usual count: if the job reads gradients between "
+                           "micro-batches, its updates were split there",
+    "counter_disagrees": "the job's own iteration counter (read by py-spy) and the measured "
+                         "iterations drifted apart by this many: iterations were missed or "
+                         "split (e.g. gradients read between micro-batches)",
+    "backward_passes_unmeasured": "backward passes of ranks where no update was ever seen "
+                                  "(no torch.optim step, no gradient read outside "
+                                  "backward(); the tracefs backend sees torch.optim's step "
+                                  "only): their iterations are not measured",
     "exits_unobserved": "ranks that ended without the kernel's exit status (no process-events "
                         "connector: see the exits source's warnings)",
     "log_tails_unread": "ranks whose last output lines could not be read (stdout/stderr not "
@@ -93,11 +112,15 @@ class DataQuality:
                     lines.append(f"{source}: {name} {value} ({HINTS[name]})")
         return lines
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, derived: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """``derived``: sources computed by the reducers themselves (the iteration
+        clock's), shown and judged as the probes' are."""
+        whole = DataQuality()
+        whole.sources = {**self.sources, **(derived or {})}
         return {
-            "sources": {name: dict(sorted(c.items())) for name, c in sorted(self.sources.items())},
-            "losses": self.losses(),
-            "minor": self.losses(minor=True),
+            "sources": {name: dict(sorted(c.items())) for name, c in sorted(whole.sources.items())},
+            "losses": whole.losses(),
+            "minor": whole.losses(minor=True),
         }
 
 

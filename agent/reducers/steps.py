@@ -3,7 +3,12 @@
 The rule of an iteration end is the same for every rank: an ``optimizer_step``
 after at least one ``backward()`` since the previous end (steps with none between
 them, e.g. several optimizers of one iteration, count once), every step when the
-rank never called ``backward()``. Markers from before attach fall outside the window.
+rank never called ``backward()``. A rank that never showed an ``optimizer_step`` (a
+compiled optimizer step, a hand-written update) ends an iteration at its first
+``grad_read`` after a backward pass (the probes send one an update: the first read
+of a gradient outside backward()), once its next backward pass confirms that no
+``optimizer_step`` followed (clipping reads the gradients just before the step). Markers
+from before attach fall outside the window.
 
 A row holds what the reducers need of the iteration (perfmon.parsers.events.Steps):
 its end, its micro-batches, its time blocked on collectives and how many waits
@@ -33,6 +38,7 @@ from typing import Any
 from perfmon.parsers.events import Steps
 
 UPROBE = "uprobe"
+GRAD_READ = "grad_read"  # the how of an end found by a gradient read
 WAIT_KINDS = ("wait_enter", "wait_exit")
 
 
@@ -53,6 +59,8 @@ class _Rank:
     totals_at_end: tuple[int, int] | None = None
     last_end: int | None = None
     ends: int = 0
+    stepped: bool = False  # an optimizer_step was seen: the rank's exact clock
+    update: dict[str, Any] | None = None  # a grad_read end, until the next backward pass
 
 
 class StepRows:
@@ -102,6 +110,9 @@ class StepRows:
             return
         kind = record["kind"]
         if kind == "backward_enter":
+            if r.update is not None:  # (no optimizer_step came: it began the update)
+                self._end(r.update, r, r.update["t_mono_ns"])
+                r.update = None
             r.backwards += 1
             r.backward_seen = True
             if r.backward_from is None:
@@ -116,7 +127,11 @@ class StepRows:
         elif kind in WAIT_KINDS:
             if r.totals is None:  # (raw waits beside the totals are already in them)
                 self._on_wait_marker(r, record["tid"], t, kind == "wait_enter")
+        elif kind == "grad_read":
+            if not r.stepped and r.backwards:
+                r.update = record
         elif kind == "optimizer_step":
+            r.stepped, r.update = True, None
             if r.depth.get(record["tid"]):
                 r.depth[record["tid"]] = 0
                 self._thread_left_wait(r, t)
@@ -167,7 +182,7 @@ class StepRows:
         r.ends += 1
         name = record["name"]
         how = ((name.partition(":")[2] or "optimizer_frame") if name.startswith("pyspy")
-               else UPROBE)
+               else GRAD_READ if record["kind"] == "grad_read" else UPROBE)
         index = self._hows.setdefault(how, len(self._hows))
         first = r.backward_from if r.backward_from is not None else t
         last = r.backward_to if r.backward_to is not None and r.backward_to >= first else first

@@ -33,6 +33,7 @@ enum event_kind {
     EV_BACKWARD_EXIT = 5,
     EV_WAIT_ENTER = 6,
     EV_WAIT_EXIT = 7,
+    EV_GRAD_READ = 8,
 };
 
 struct event_t {
@@ -67,6 +68,17 @@ BPF_PERCPU_ARRAY(scratch, struct event_t, 1);
 BPF_HASH(wait_threads, u32, struct wait_thread, 65536);
 BPF_HASH(wait_totals, u32, struct wait_total, 4096);  // tgid
 BPF_ARRAY(raw_waits, u32, 1);                        // 1: wait_* events leave the kernel
+
+// Where a job steps its parameters without torch.optim's marker (a compiled optimizer
+// step, a hand-written update): the first read of a gradient after a backward pass,
+// outside every backward pass of the process, is its update. Reads inside backward()
+// (hooks, DDP's reducer) and the update's own later reads leave nothing: one event an
+// update leaves the kernel, however many parameters it reads.
+struct update_state {
+    s64 open;           // backward passes running in the process (any thread, nested)
+    u64 pending;        // 1: a backward pass ended since the last update's first read
+};
+BPF_HASH(updates, u32, struct update_state, 4096);  // tgid
 
 static __always_inline void emit(struct event_t *ev)
 {
@@ -161,12 +173,44 @@ static __always_inline int raw_waits_on(void)
 
 int on_backward_enter(struct pt_regs *ctx)
 {
-    return emit_unnamed(EV_BACKWARD_ENTER, bpf_ktime_get_ns());
+    u64 t = bpf_ktime_get_ns();
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    struct update_state zero = {};
+    struct update_state *st = updates.lookup_or_try_init(&pid, &zero);
+    if (st) {
+        __sync_fetch_and_add(&st->open, 1);
+        st->pending = 1;
+    }
+    return emit_unnamed(EV_BACKWARD_ENTER, t);
 }
 
 int on_backward_exit(struct pt_regs *ctx)
 {
-    return emit_unnamed(EV_BACKWARD_EXIT, bpf_ktime_get_ns());
+    u64 t = bpf_ktime_get_ns();
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    struct update_state *st = updates.lookup(&pid);
+    // (a pass entered before the probes were attached has no entry counted)
+    if (st && st->open > 0)
+        __sync_fetch_and_add(&st->open, -1);
+    return emit_unnamed(EV_BACKWARD_EXIT, t);
+}
+
+int on_grad_read(struct pt_regs *ctx)
+{
+    u64 t = bpf_ktime_get_ns();
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    struct update_state *st = updates.lookup(&pid);
+    if (!st || !st->pending || st->open > 0)
+        return 0;
+    // Two threads reading at once may both emit: user space ends one update of them.
+    st->pending = 0;
+    struct event_t *ev = fresh_event(EV_GRAD_READ, t);
+    if (!ev)
+        return 0;
+    step_waits(ev);
+    ev->name[0] = 0;
+    emit(ev);
+    return 0;
 }
 
 // A thread blocked on a collective (c10d Work::wait, DDP's Reducer::finalize_backward).
