@@ -163,6 +163,12 @@ class AttachOptions:
         None, "--iteration-variable",
         "the job's own iteration counter, a local variable (default: iteration, iter_num, "
         "step, global_step)", metavar="NAME")
+    microbatches: int | None = _option(
+        None, "--microbatches",
+        "backward passes per update, for a job whose updates no probe sees (no torch.optim "
+        "step, no gradient read: e.g. it steps on what torch.autograd.grad returns): every "
+        "K backward passes end an iteration; a job whose updates are seen keeps its own "
+        "clock", type=positive_int, metavar="K", config=True)
     stack_sampling: bool = _option(True, "--no-stack-sampling",
                                    "no py-spy sampling in uprobe mode (no phase breakdown)",
                                    negated=True, config=True)

@@ -9,6 +9,12 @@ stack sampling (--agent-args '').
     .venv/bin/python benchmarks/uprobe_overhead.py --seconds 5 --rounds 6
     .venv/bin/python benchmarks/uprobe_overhead.py --seconds 5 --rounds 6 --agent-args ''
 
+A job without torch.optim's marker (its updates found by gradient reads, which the
+agent probes for as long as the job shows no Optimizer.step):
+
+    .venv/bin/python benchmarks/uprobe_overhead.py --target tests/targets/train_variants.py \
+        --target-args '--update manual'
+
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seconds", type=float, default=5.0, help="length of each round")
     p.add_argument("--rounds", type=int, default=4, help="pairs of attached/detached rounds")
+    p.add_argument("--target", type=Path, default=TRAIN_GPT,
+                   help="the training script (it takes --timestamps FILE)")
     p.add_argument("--target-args", default="--hidden-size 128 --num-layers 2",
-                   help="arguments for train_gpt.py")
+                   help="arguments for the training script")
     p.add_argument("--agent-args", default="--no-stack-sampling",
                    help="extra attach arguments (default: uprobes alone, no py-spy; "
                    "pass '' for the default session with stack sampling)")
@@ -49,7 +57,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         stamps = Path(tmp) / "stamps.txt"
         target = subprocess.Popen(
-            [sys.executable, str(TRAIN_GPT), "--timestamps", str(stamps),
+            [sys.executable, str(args.target), "--timestamps", str(stamps),
              *args.target_args.split()],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

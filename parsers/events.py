@@ -78,9 +78,10 @@ class LogPart(Record):
 
 @dataclass(frozen=True)
 class WaitTotals(Record):
-    """A rank's time blocked on collectives so far (cumulative), at an Optimizer.step:
-    the sum over its threads of each one's waits (nested calls once; the stepping
-    thread's open wait ends at the step), and how many ended. Counted in the kernel
+    """A rank's time blocked on collectives so far (cumulative), at an Optimizer.step
+    (or an update's first gradient read, ``grad_read``): the sum over its threads of
+    each one's waits (nested calls once; the stepping thread's open wait ends at the
+    step), and how many ended. Counted in the kernel
     (bcc) or by the probe (tracefs), once a step, not every wait's entry and return
     (those are ``wait_*`` markers, only when asked for); the session folds them into the
     rank's ``steps`` row (older logs hold them as records)."""
@@ -101,7 +102,8 @@ class Steps(Record):
     ``micro`` (backward() calls, -1: none ever); ``wait_ns`` and ``waits`` (blocked on
     collectives since the previous end, how many ended; ``waits`` -1: not probed in that
     iteration, the wait probes being sampled); ``how`` (index into ``hows``:
-    uprobe or py-spy's estimator). A rank's first row after attach only opens its window."""
+    uprobe (the Optimizer.step marker), grad_read (an update's first gradient read) or
+    py-spy's estimator). A rank's first row after attach only opens its window."""
 
     TYPE: ClassVar[str] = "steps"
     columns: list[str]

@@ -535,7 +535,9 @@ class MarkerProbe(Source):
 
     def quality(self) -> dict[str, Any]:
         return {"events": self.events, "events_dropped": self.dropped,
-                **self.updates.quality()}
+                **self.updates.quality(),
+                # ranks whose gradient reads are still probed (no Optimizer.step seen)
+                "grad_read_probes": len(self._grad_events)}
 
     def _close(self) -> None:
         libraries = [*self._libraries.values(), *self._c10_libraries.values()]

@@ -82,6 +82,8 @@ def final_statistics(**changes: Any) -> dict[str, Any]:
                 "uprobes": {"events": 1200, "events_dropped": 7},
                 "nvml": {"samples": 30, "missed_slots": 0, "unsupported_fields": 2},
                 "pyspy": {"samples": 900, "sampling_errors": 3, "last_error": "x"},
+                # (the iteration clock's own, derived by the reducers)
+                "iterations": {"measured": 40, "none_measured": 0, "ends_estimated": 40},
             },
             "losses": ["uprobes: events_dropped 7 (...)"],
         },
@@ -191,7 +193,8 @@ def test_interval_and_statistics_in_prometheus_units(metrics: Metrics) -> None:
     losses = {(dict(lbls)["source"], dict(lbls)["counter"]): v for (name, lbls), v in s.items()
               if name == "perfmon_data_quality_losses"}
     assert losses == {("uprobes", "events_dropped"): 7, ("nvml", "missed_slots"): 0,
-                      ("pyspy", "sampling_errors"): 3}
+                      ("pyspy", "sampling_errors"): 3, ("iterations", "none_measured"): 0,
+                      ("iterations", "ends_estimated"): 40}
     assert value(s, "perfmon_job_info", ranks="0,1", processes="2",
                  agent_version=dict(next(lbls for name, lbls in s
                                          if name == "perfmon_job_info"))["agent_version"],

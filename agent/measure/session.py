@@ -291,6 +291,7 @@ class MonitorSession:
             "workload": workload.__dict__,
             "iteration_logs_max_entries": opts.max_log_entries,
             "step_rows": True,  # iteration ends logged as rows (steps records)
+            "microbatches_declared": opts.microbatches,
         }
         # The job this session belongs to: as the node service named it, else from the
         # primary rank's job variables, as the service would (perfmon.agent.daemon.jobs).
@@ -307,7 +308,7 @@ class MonitorSession:
         hangs = HangWatch(opts.hang_factor, opts.hang_timeout_s, targets=targets, out=out,
                           dumps=dumps, warn=self.warn)
         live = _Live(targets, sources, stacks, out, log, summary_file, summarizer, facts, hangs,
-                     budget, StepRows(start_ns), start_ns,
+                     budget, StepRows(start_ns, opts.microbatches), start_ns,
                      incidents=Incidents(out, targets, facts, self.warn))
         log.append(SessionStart(start_ns, facts).to_record())
         self.context.observer.started(facts)

@@ -77,6 +77,7 @@ class SessionInfo(TypedDict, total=False):
     exit: dict[str, Any] | None
     process_start_monotonic_ns: int | None
     started_by: Literal["attach", "tracker"] | None
+    microbatches_declared: int | None
     job_before: dict[str, Any] | None
 
 
@@ -98,10 +99,10 @@ class FinalStatistics(TypedDict, total=False):
     avg_hardware_tflops_per_gpu: float | None
     measured_iterations: int | None
     iteration_estimator: Literal[
-        "uprobe", "grad_read", "counter", "phase_transitions", "optimizer_frame", "function"
-    ] | None
+        "uprobe", "grad_read", "backward", "counter", "phase_transitions", "optimizer_frame",
+        "function"] | None
     iteration_estimators: dict[str, Any] | None
-    iteration_clock: Literal["exact", "estimated"] | None
+    iteration_clock: Literal["exact", "declared", "estimated"] | None
     lost_events: int | None
     memory_kind: Literal["gpu", "rss"] | None
     avg_gpu_utilization_pct: float | None

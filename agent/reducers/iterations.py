@@ -17,8 +17,10 @@ from perfmon.parsers.workload import Workload
 
 # How an end was found, when it is exact: torch.optim's Optimizer.step marker
 # ("uprobe"), or the first gradient read after backward passes ("grad_read",
-# perfmon.agent.reducers.steps). Every other estimator (py-spy's) is an estimate.
+# perfmon.agent.reducers.steps); as exact as the user's count: every K backward
+# passes ("backward", --microbatches). Every other estimator (py-spy's) is an estimate.
 EXACT_ESTIMATORS = frozenset(("uprobe", "grad_read"))
+DECLARED_ESTIMATORS = frozenset(("backward",))
 
 
 @dataclass(frozen=True)
@@ -123,11 +125,15 @@ class IterationClock:
         return it
 
     @property
-    def exact(self) -> bool | None:
-        """Whether every measured iteration's end was exact (None: none measured)."""
+    def kind(self) -> str | None:
+        """exact (every measured end a marker or a gradient read), declared (some
+        counted from --microbatches), estimated (some from stack samples), None (none
+        measured)."""
         if not self.estimators:
             return None
-        return all(how in EXACT_ESTIMATORS for how in self.estimators)
+        if any(how not in EXACT_ESTIMATORS | DECLARED_ESTIMATORS for how in self.estimators):
+            return "estimated"
+        return "declared" if DECLARED_ESTIMATORS & self.estimators.keys() else "exact"
 
     def quality(self) -> dict[str, int]:
         """The clock's own losses, as a source's counters (data_quality, source
@@ -139,7 +145,7 @@ class IterationClock:
             "measured": measured,
             "none_measured": int(measured == 0),
             "ends_estimated": sum(n for how, n in self.estimators.items()
-                                  if how not in EXACT_ESTIMATORS),
+                                  if how not in EXACT_ESTIMATORS | DECLARED_ESTIMATORS),
             "microbatches_unknown": measured - len(self._microbatches),
             "microbatches_varied": sum(n for micro, n in self._grad_read_micro.items()
                                        if micro != usual),
@@ -180,7 +186,7 @@ class IterationClock:
             "iteration_estimator": (max(self.estimators, key=self.estimators.__getitem__)
                                     if self.estimators else None),
             "iteration_estimators": dict(self.estimators),
-            "iteration_clock": {True: "exact", False: "estimated", None: None}[self.exact],
+            "iteration_clock": self.kind,
             "microbatches_per_step": (
                 int(statistics.median_low(self._microbatches)) if self._microbatches else None),
         }
@@ -238,15 +244,16 @@ class JobNumbering:
     @property
     def disagreement(self) -> int:
         """How far the job's own counter and our count drifted apart: how much the
-        offsets of the reads (exact ones late in a step, and the bounds of the others)
-        fail to meet. 0 when they agree, as they do when every iteration end is found;
+        offsets of the reads (the exact ones, and the bounds of the others) fail to
+        meet. 0 when they agree, as they do when every iteration end is found;
         a count that runs ahead of the job's (split updates) or behind it (missed ends)
         spreads them. A spread of one is forgiven: a read can race the job's increment.
         None measured: 0 (nothing to compare; that is a loss of its own)."""
         if self.clock.measured == 0:
             return 0
-        lows = [*self._offsets, *(lo for lo, _ in self._bounds)]
-        highs = [*self._offsets, *(hi for _, hi in self._bounds)]
+        exact = [*self._offsets, *self._early]  # (an early read is at most one off)
+        lows = [*exact, *(lo for lo, _ in self._bounds)]
+        highs = [*exact, *(hi for _, hi in self._bounds)]
         return max(0, max(lows) - min(highs) - 1) if lows else 0
 
     @property

@@ -52,8 +52,7 @@ HINTS = {
     "reads_failed": "reads of the job's iteration counter failed",
     # The iteration clock's own (source "iterations", derived from the rows).
     "none_measured": "no iteration was measured: the job did not train while attached, or "
-                     "trained where no probe saw an iteration end (see the other losses; "
-                     "--iteration-variable NAME reads the job's own counter)",
+                     "trained where no probe saw an iteration end (see the other losses)",
     "ends_estimated": "iterations estimated from py-spy stack samples, not exact markers: "
                       "counts and step times are approximate (iteration_estimators)",
     "microbatches_unknown": "iterations whose micro-batches are unknown (no backward() "
@@ -68,7 +67,10 @@ HINTS = {
     "backward_passes_unmeasured": "backward passes of ranks where no update was ever seen "
                                   "(no torch.optim step, no gradient read outside "
                                   "backward(); the tracefs backend sees torch.optim's step "
-                                  "only): their iterations are not measured",
+                                  "only): their iterations are not measured; --microbatches K "
+                                  "counts K backward passes as one update, or "
+                                  "--iteration-source pyspy --iteration-variable NAME counts "
+                                  "the job's own counter",
     "exits_unobserved": "ranks that ended without the kernel's exit status (no process-events "
                         "connector: see the exits source's warnings)",
     "log_tails_unread": "ranks whose last output lines could not be read (stdout/stderr not "

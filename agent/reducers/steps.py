@@ -7,8 +7,11 @@ rank never called ``backward()``. A rank that never showed an ``optimizer_step``
 compiled optimizer step, a hand-written update) ends an iteration at its first
 ``grad_read`` after a backward pass (the probes send one an update: the first read
 of a gradient outside backward()), once its next backward pass confirms that no
-``optimizer_step`` followed (clipping reads the gradients just before the step). Markers
-from before attach fall outside the window.
+``optimizer_step`` followed (clipping reads the gradients just before the step). A
+rank that showed neither, where the user declared the backward passes per update
+(``--microbatches K``), ends one at every K-th backward pass's return (``backward``);
+the first ``grad_read`` that comes later (K was wrong) takes over. Markers from
+before attach fall outside the window.
 
 A row holds what the reducers need of the iteration (perfmon.parsers.events.Steps):
 its end, its micro-batches, its time blocked on collectives and how many waits
@@ -39,6 +42,8 @@ from perfmon.parsers.events import Steps
 
 UPROBE = "uprobe"
 GRAD_READ = "grad_read"  # the how of an end found by a gradient read
+BACKWARD = "backward"  # ... by counting the declared backward passes per update
+HOWS = {"grad_read": GRAD_READ, "backward_exit": BACKWARD}  # (else the marker: uprobe)
 WAIT_KINDS = ("wait_enter", "wait_exit")
 
 
@@ -60,14 +65,16 @@ class _Rank:
     last_end: int | None = None
     ends: int = 0
     stepped: bool = False  # an optimizer_step was seen: the rank's exact clock
+    grad_reads: bool = False  # a grad_read began an update: no declared count then
     update: dict[str, Any] | None = None  # a grad_read end, until the next backward pass
 
 
 class StepRows:
     """Feed markers and ``waits`` records (in log order); ``take`` the rows made."""
 
-    def __init__(self, start_t_mono_ns: int) -> None:
+    def __init__(self, start_t_mono_ns: int, declared_microbatches: int | None = None) -> None:
         self.start_t_mono_ns = start_t_mono_ns
+        self.declared_microbatches = declared_microbatches  # --microbatches
         self._ranks: dict[int, _Rank] = {}
         self._rows: list[tuple[int, ...]] = []
         self._hows: dict[str, int] = {}
@@ -124,12 +131,17 @@ class StepRows:
             if r.backward_open is not None:
                 r.backward_ns += t - r.backward_open
                 r.backward_open = None
+            k = self.declared_microbatches
+            if k and r.backwards >= k and not (r.stepped or r.grad_reads):
+                self._end(record, r, t)
         elif kind in WAIT_KINDS:
             if r.totals is None:  # (raw waits beside the totals are already in them)
                 self._on_wait_marker(r, record["tid"], t, kind == "wait_enter")
         elif kind == "grad_read":
-            if not r.stepped and r.backwards:
-                r.update = record
+            if not r.stepped:
+                r.grad_reads = True  # (its updates are seen: no declared count from now)
+                if r.backwards:
+                    r.update = record
         elif kind == "optimizer_step":
             r.stepped, r.update = True, None
             if r.depth.get(record["tid"]):
@@ -182,7 +194,7 @@ class StepRows:
         r.ends += 1
         name = record["name"]
         how = ((name.partition(":")[2] or "optimizer_frame") if name.startswith("pyspy")
-               else GRAD_READ if record["kind"] == "grad_read" else UPROBE)
+               else HOWS.get(record["kind"], UPROBE))
         index = self._hows.setdefault(how, len(self._hows))
         first = r.backward_from if r.backward_from is not None else t
         last = r.backward_to if r.backward_to is not None and r.backward_to >= first else first
