@@ -190,12 +190,12 @@ class TracefsMarkerProbe(Source):
 
     def __init__(self, targets: list[TargetProcess],
                  step_kinds: tuple[str, ...] = DEFAULT_STEP_KINDS, *,
-                 raw_waits: bool = False) -> None:
+                 raw_waits: bool = False, microbatches: int | None = None) -> None:
         super().__init__()
         self._prefixes = step_prefixes(step_kinds)
         self.targets = targets
         self.dropped = 0
-        self.updates = UpdateAccount()
+        self.updates = UpdateAccount(microbatches)
         self.events = 0
         self.group = f"{GROUP_PREFIX}{os.getpid()}"
         self._root = ""

@@ -326,9 +326,12 @@ def _fill_step_prefixes(bpf: Any, prefixes: dict[str, str]) -> None:
 class UpdateAccount:
     """Backward passes and update ends (Optimizer.step, grad_read) per process, from the
     markers: a rank whose backward passes run but none of whose updates any probe saw
-    is one whose iterations are not measured at all (a loss, never "nothing missed")."""
+    is one whose iterations are not measured at all (a loss, never "nothing missed"),
+    unless the user declared its backward passes per update (``declared``, --microbatches:
+    then every K of them end one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, declared: int | None = None) -> None:
+        self.declared = declared
         self.backward_passes: dict[int, int] = {}
         self.update_ends: dict[int, int] = {}
 
@@ -341,7 +344,7 @@ class UpdateAccount:
     def quality(self) -> dict[str, int]:
         return {"backward_passes": sum(self.backward_passes.values()),
                 "update_ends": sum(self.update_ends.values()),
-                "backward_passes_unmeasured": sum(
+                "backward_passes_unmeasured": 0 if self.declared else sum(
                     n for pid, n in self.backward_passes.items()
                     if not self.update_ends.get(pid))}
 
@@ -359,7 +362,7 @@ class MarkerProbe(Source):
 
     def __init__(self, targets: list[TargetProcess], ring_pages: int = DEFAULT_RING_PAGES,
                  step_kinds: tuple[str, ...] = DEFAULT_STEP_KINDS, *,
-                 raw_waits: bool = False) -> None:
+                 raw_waits: bool = False, microbatches: int | None = None) -> None:
         super().__init__()
         self.step_kinds = step_kinds
         if ring_pages < 1 or ring_pages & (ring_pages - 1):
@@ -378,7 +381,7 @@ class MarkerProbe(Source):
         # pid -> bcc's names of its gradient-read probe, while it has shown no
         # Optimizer.step (the exact marker: then it is detached, costing nothing more)
         self._grad_events: dict[int, set[bytes]] = {}
-        self.updates = UpdateAccount()
+        self.updates = UpdateAccount(microbatches)
         self.waits_on = True
         self.raw_waits = raw_waits
 

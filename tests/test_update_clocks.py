@@ -135,3 +135,24 @@ def test_an_estimated_clock_is_a_loss(steady_target, agent, out_dir):
     losses = stats["data_quality"]["losses"]
     assert any(line.startswith("iterations: ends_estimated") for line in losses)
     assert "nothing missed" not in run.stdout
+
+
+def test_a_declared_count_of_backward_passes_measures_updates_no_probe_sees(
+        start_target, agent, out_dir):
+    """--microbatches 2 on a job stepping on torch.autograd.grad's gradients (2 backward
+    passes an update): an end at every second backward pass's return, one an update."""
+    summary, target, run = _attach(start_target, agent, out_dir,
+                                   ("--update", "autograd_grad", "--backwards", "2"), "4",
+                                   "--microbatches", "2", "--no-stack-sampling")
+    info, stats = summary["session_info"], summary["final_statistics"]
+    assert info["microbatches_declared"] == 2
+    assert stats["iteration_clock"] == "declared"
+    assert stats["iteration_estimators"].keys() == {"backward"}
+    assert stats["microbatches_per_step"] == 2
+    stamps = [t for _, t in target.timestamps()]
+    ends = [e["end_monotonic_ns"] for e in summary["iteration_logs"]]
+    assert len(ends) >= 10
+    for a, b in itertools.pairwise(ends):
+        assert sum(1 for t in stamps if a < t <= b) == 10
+    assert stats["data_quality"]["losses"] == []
+    assert "nothing missed" in run.stdout

@@ -97,9 +97,12 @@ def open_iteration_source(options: AttachOptions, targets: list[TargetProcess],
         try:
             check()
             raw = options.raw_markers
-            probe: MarkerSource = (MarkerProbe(targets, options.ring_pages, raw_waits=raw)
+            micro = options.microbatches
+            probe: MarkerSource = (MarkerProbe(targets, options.ring_pages, raw_waits=raw,
+                                               microbatches=micro)
                                    if cls is MarkerProbe
-                                   else TracefsMarkerProbe(targets, raw_waits=raw))
+                                   else TracefsMarkerProbe(targets, raw_waits=raw,
+                                                           microbatches=micro))
             started(stack, probe, warn)
         except UNAVAILABLE as err:
             failures.append((name, err))
