@@ -459,6 +459,7 @@ class MarkerProbe(Source):
             self.warnings.append(f"pid {target.pid} ({target.name}): cannot attach uprobe to "
                                  f"{symbol.name}: {err}: a job that steps without torch.optim "
                                  "is not measured")
+            return
         self._grad_events[target.pid] = set(self._bpf.uprobe_fds) - before
 
     def _detach(self, ev_names: Iterable[bytes]) -> None:
