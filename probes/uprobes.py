@@ -381,6 +381,7 @@ class MarkerProbe(Source):
         # pid -> bcc's names of its gradient-read probe, while it has shown no
         # Optimizer.step (the exact marker: then it is detached, costing nothing more)
         self._grad_events: dict[int, set[bytes]] = {}
+        self._grad_points: dict[int, tuple[bytes, int]] = {}  # pid -> (library, address)
         self.updates = UpdateAccount(microbatches)
         self.waits_on = True
         self.raw_waits = raw_waits
@@ -451,16 +452,41 @@ class MarkerProbe(Source):
                                  "or hand-written update) is not measured")
             return
         self._c10_libraries[target.pid] = library
-        before = set(self._bpf.uprobe_fds)
-        try:
-            self._bpf.attach_uprobe(name=library.probe_path.encode(), addr=symbol.address,
-                                    fn_name=b"on_grad_read", pid=target.pid)
-        except Exception as err:  # bcc raises bare Exception on attach failure
-            self.warnings.append(f"pid {target.pid} ({target.name}): cannot attach uprobe to "
-                                 f"{symbol.name}: {err}: a job that steps without torch.optim "
-                                 "is not measured")
+        self._grad_points[target.pid] = (library.probe_path.encode(), symbol.address)
+        self.set_grad_reads(target.pid, True)
+
+    def set_grad_reads(self, pid: int, on: bool) -> None:
+        """Attach or detach the gradient-read probe of ``pid`` (the session detaches it
+        while the rank's updates are counted, perfmon.agent.measure.update_sampling);
+        never again once the rank showed an Optimizer.step."""
+        if self._bpf is None or pid not in self._grad_points or on == (pid in self._grad_events):
             return
-        self._grad_events[target.pid] = set(self._bpf.uprobe_fds) - before
+        if not on:
+            self._detach(self._grad_events.pop(pid))
+            return
+        before = set(self._bpf.uprobe_fds)
+        lib, address = self._grad_points[pid]
+        try:
+            self._bpf.attach_uprobe(name=lib, addr=address, fn_name=b"on_grad_read", pid=pid)
+        except Exception as err:  # bcc raises bare Exception on attach failure
+            del self._grad_points[pid]  # (never tried again)
+            if _alive(pid):  # (one that exited has nothing more to probe)
+                self.warnings.append(
+                    f"pid {pid}: cannot attach uprobe to {GRAD_READ_SYMBOL}: {err}: its "
+                    "updates, without torch.optim's step, are no longer found (a count "
+                    "already learnt goes on unchecked)")
+            return
+        self._grad_events[pid] = set(self._bpf.uprobe_fds) - before
+
+    @property
+    def grad_read_pids(self) -> set[int]:
+        """The targets whose gradient reads can be probed (no Optimizer.step seen)."""
+        return set(self._grad_points)
+
+    @property
+    def grad_reads_on(self) -> set[int]:
+        """... and those whose probe is attached now."""
+        return set(self._grad_events)
 
     def _detach(self, ev_names: Iterable[bytes]) -> None:
         """Detach these probes (bcc's event names), entry probes before return probes,
@@ -471,14 +497,24 @@ class MarkerProbe(Source):
             bcc_lib.bpf_close_perf_event_fd(self._bpf.uprobe_fds[ev_name])
             self._bpf._del_uprobe_fd(ev_name)
 
-    def _attach_waits(self, points: list[tuple[bytes, int, int]]) -> None:
+    def _attach_waits(self, points: list[tuple[bytes, int, int]], again: bool = False) -> None:
+        """``again``: attached once already (sampled waits); a rank that exited since
+        is passed over (and forgotten), not an error of the session."""
         before = set(self._bpf.uprobe_fds)
+        gone = set()
         for lib, addr, pid in points:
-            # Return first: a call entered between the two attaches then shows only its
-            # exit (ignored), never an entry without an exit.
-            self._bpf.attach_uretprobe(name=lib, addr=addr, fn_name=b"on_wait_exit", pid=pid)
-            self._bpf.attach_uprobe(name=lib, addr=addr, fn_name=b"on_wait_enter", pid=pid)
+            try:
+                # Return first: a call entered between the two attaches then shows only
+                # its exit (ignored), never an entry without an exit.
+                self._bpf.attach_uretprobe(name=lib, addr=addr, fn_name=b"on_wait_exit",
+                                           pid=pid)
+                self._bpf.attach_uprobe(name=lib, addr=addr, fn_name=b"on_wait_enter", pid=pid)
+            except Exception:  # bcc raises bare Exception on attach failure
+                if not again or _alive(pid):
+                    raise
+                gone.add(pid)
         self._wait_events |= set(self._bpf.uprobe_fds) - before
+        self._wait_points = [p for p in self._wait_points if p[2] not in gone]
 
     def set_waits_on(self, on: bool) -> None:
         """Attach or detach the collective-wait probes (sampled waits: a detached probe
@@ -487,7 +523,7 @@ class MarkerProbe(Source):
         if self._bpf is None or on == self.waits_on:
             return
         if on:
-            self._attach_waits(self._wait_points)
+            self._attach_waits(self._wait_points, again=True)
         else:
             # Entry probes first, so no wait is entered whose return goes unseen.
             self._detach(self._wait_events)
@@ -520,8 +556,9 @@ class MarkerProbe(Source):
             marker = Marker(t, pid, tid, MARKER_KINDS[kind - 1], name)
             self.updates.on_marker(marker)
             events.append(marker)
-        for pid in stepped & self._grad_events.keys():
-            self._detach(self._grad_events.pop(pid))
+        for pid in stepped & self._grad_points.keys():
+            self.set_grad_reads(pid, False)
+            del self._grad_points[pid]
         self.events += len(events)
         return events
 
@@ -540,7 +577,9 @@ class MarkerProbe(Source):
     def quality(self) -> dict[str, Any]:
         return {"events": self.events, "events_dropped": self.dropped,
                 **self.updates.quality(),
-                # ranks whose gradient reads are still probed (no Optimizer.step seen)
+                # ranks whose updates gradient reads find (no Optimizer.step seen), and
+                # those whose reads are probed now (not while their updates are counted)
+                "grad_read_ranks": len(self._grad_points),
                 "grad_read_probes": len(self._grad_events)}
 
     def _close(self) -> None:
@@ -551,6 +590,10 @@ class MarkerProbe(Source):
         for library in libraries:
             library.close()
         self._libraries, self._c10_libraries = {}, {}
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
 
 
 def close_bpf(bpf: Any, libraries: Iterable[MappedLibrary] = ()) -> None:

@@ -73,14 +73,20 @@ def test_each_update_is_one_iteration_exact_to_the_jobs_own_clock(
         (b - a) / 1e6 for a, b in itertools.pairwise(stamps[first:last + 1]))
     assert stats["p50_step_time_ms"] == pytest.approx(job_median, rel=0.05)
     assert stats["microbatches_per_step"] == backwards
-    assert stats["iteration_estimators"].keys() == {estimator}
+    # (a job found by gradient reads is counted once its K backward passes are learnt)
+    assert stats["iteration_estimators"].keys() == (
+        {"grad_read", "counted"} if estimator == "grad_read" else {estimator})
     assert stats["iteration_clock"] == "exact"
     quality = stats["data_quality"]
     assert quality["losses"] == [], quality
     assert quality["sources"]["iterations"]["microbatches_varied"] == 0
     assert quality["sources"]["uprobes"]["backward_passes_unmeasured"] == 0
-    # The gradient-read probe stays only where no Optimizer.step ever came.
-    assert quality["sources"]["uprobes"]["grad_read_probes"] == (estimator == "grad_read")
+    # The gradient-read probe stays only where no Optimizer.step ever came, and is
+    # detached while the updates are counted.
+    assert quality["sources"]["uprobes"]["grad_read_ranks"] == (estimator == "grad_read")
+    if estimator == "grad_read":
+        assert quality["sources"]["update_probes"]["counted"] == 1
+        assert quality["sources"]["update_probes"]["k_changes"] == 0
     assert "nothing missed" in run.stdout
     assert summary["final_statistics"]["hangs"] == []
 

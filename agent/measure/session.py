@@ -43,6 +43,7 @@ from perfmon.agent.measure.sources import (
     open_stack_source,
     started,
 )
+from perfmon.agent.measure.update_sampling import UpdateSampling
 from perfmon.agent.measure.wait_sampling import WaitSampling
 from perfmon.agent.options import AttachOptions
 from perfmon.agent.record.eventlog import EventLogWriter
@@ -72,6 +73,7 @@ from perfmon.probes.procfs import (
 )
 from perfmon.probes.sampler import Source, monotonic_ns
 from perfmon.probes.stacks import StackSource
+from perfmon.probes.uprobes import MarkerProbe
 
 # Step rows go to the log and the reducers once a second: what replay reduces in bulk.
 ROWS_INTERVAL_NS = 1_000_000_000
@@ -134,6 +136,7 @@ class _Live:
     over_cap_told: bool = False
     markers: MarkerSource | None = None  # the uprobe source (None: py-spy mode)
     wait_sampling: WaitSampling | None = None  # (None: no collective waits probed)
+    update_sampling: UpdateSampling | None = None  # (None: no gradient reads probed)
     quality: dict[str, dict[str, Any]] = field(default_factory=dict)  # last logged, per source
     incidents: Incidents | None = None  # a bundle per hang, straggler, fail-slow, bad exit
 
@@ -249,6 +252,8 @@ class MonitorSession:
                 live.wait_sampling = WaitSampling(
                     live.rows, probe.set_waits_on, sorted(probe.waits_probed_pids),
                     targets[0].pid, opts.wait_probe_budget_pct / 100)
+            if isinstance(probe, MarkerProbe) and probe.grad_read_pids:
+                live.update_sampling = UpdateSampling(live.rows, probe)
             for record in first_gpu_records:
                 self._log(live, record.to_record())
             # bcc's compiler has freed what it used: back to the system, or a service
@@ -344,6 +349,8 @@ class MonitorSession:
                     live.markers.set_raw_waits(opts.raw_markers or closer_look)
                 if live.wait_sampling is not None:
                     live.wait_sampling.schedule(keep_on=opts.raw_markers or closer_look)
+                if live.update_sampling is not None:
+                    live.update_sampling.schedule(now)
                 if (completed and now >= next_write) or now >= next_refresh:
                     self._write(live)
                     spent = SUMMARY_WRITE_BUDGET * (monotonic_ns() - now)
@@ -462,6 +469,8 @@ class MonitorSession:
         counted = [(s.name, s.quality()) for s in live.sources]
         if live.wait_sampling is not None:
             counted.append(("wait_probes", live.wait_sampling.quality()))
+        if live.update_sampling is not None:
+            counted.append(("update_probes", live.update_sampling.quality()))
         for name, counters in [*counted, ("agent", live.budget.state())]:
             if counters and counters != live.quality.get(name):
                 live.quality[name] = counters

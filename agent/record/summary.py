@@ -99,8 +99,8 @@ class FinalStatistics(TypedDict, total=False):
     avg_hardware_tflops_per_gpu: float | None
     measured_iterations: int | None
     iteration_estimator: Literal[
-        "uprobe", "grad_read", "backward", "counter", "phase_transitions", "optimizer_frame",
-        "function"] | None
+        "uprobe", "grad_read", "counted", "backward", "counter", "phase_transitions",
+        "optimizer_frame", "function"] | None
     iteration_estimators: dict[str, Any] | None
     iteration_clock: Literal["exact", "declared", "estimated"] | None
     lost_events: int | None

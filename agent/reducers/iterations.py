@@ -17,9 +17,10 @@ from perfmon.parsers.workload import Workload
 
 # How an end was found, when it is exact: torch.optim's Optimizer.step marker
 # ("uprobe"), or the first gradient read after backward passes ("grad_read",
-# perfmon.agent.reducers.steps); as exact as the user's count: every K backward
+# perfmon.agent.reducers.steps), or the backward passes per update those reads showed
+# ("counted", checked again now and then); as exact as the user's count: every K backward
 # passes ("backward", --microbatches). Every other estimator (py-spy's) is an estimate.
-EXACT_ESTIMATORS = frozenset(("uprobe", "grad_read"))
+EXACT_ESTIMATORS = frozenset(("uprobe", "grad_read", "counted"))
 DECLARED_ESTIMATORS = frozenset(("backward",))
 
 

@@ -4,14 +4,23 @@ The rule of an iteration end is the same for every rank: an ``optimizer_step``
 after at least one ``backward()`` since the previous end (steps with none between
 them, e.g. several optimizers of one iteration, count once), every step when the
 rank never called ``backward()``. A rank that never showed an ``optimizer_step`` (a
-compiled optimizer step, a hand-written update) ends an iteration at its first
+compiled optimizer step, a hand-written update) ends an iteration where its first
 ``grad_read`` after a backward pass (the probes send one an update: the first read
-of a gradient outside backward()), once its next backward pass confirms that no
-``optimizer_step`` followed (clipping reads the gradients just before the step). A
+of a gradient outside backward()) found an update: at that update's last backward
+pass's return, once its next backward pass confirms that no ``optimizer_step``
+followed (clipping reads the gradients just before the step). A
 rank that showed neither, where the user declared the backward passes per update
 (``--microbatches K``), ends one at every K-th backward pass's return (``backward``);
 the first ``grad_read`` that comes later (K was wrong) takes over. Markers from
 before attach fall outside the window.
+
+Gradient reads cost a trap each (a few per parameter an update), so once a rank's
+updates have shown the same K backward passes LEARN_UPDATES times in a row the session
+may have it counted instead (``count_by``: an end at every K-th backward pass's return,
+``counted``) and detach the probe, attaching it again now and then to check K: a
+``grad_read`` right after a counted end confirms it (``counted``); one after some
+backward passes of the next update says K changed, and the rank is back on gradient
+reads (perfmon.agent.measure.update_sampling).
 
 A row holds what the reducers need of the iteration (perfmon.parsers.events.Steps):
 its end, its micro-batches, its time blocked on collectives and how many waits
@@ -43,7 +52,9 @@ from perfmon.parsers.events import Steps
 UPROBE = "uprobe"
 GRAD_READ = "grad_read"  # the how of an end found by a gradient read
 BACKWARD = "backward"  # ... by counting the declared backward passes per update
-HOWS = {"grad_read": GRAD_READ, "backward_exit": BACKWARD}  # (else the marker: uprobe)
+COUNTED = "counted"  # ... by counting the backward passes per update the reads showed
+HOWS = {"grad_read": GRAD_READ}  # (else the marker: uprobe)
+LEARN_UPDATES = 16  # the same backward passes this many updates in a row: K is learnt
 WAIT_KINDS = ("wait_enter", "wait_exit")
 
 
@@ -67,6 +78,11 @@ class _Rank:
     stepped: bool = False  # an optimizer_step was seen: the rank's exact clock
     grad_reads: bool = False  # a grad_read began an update: no declared count then
     update: dict[str, Any] | None = None  # a grad_read end, until the next backward pass
+    count_k: int | None = None  # counted: backward passes per update (count_by)
+    same_k: tuple[int, int] = (0, 0)  # (K, grad_read ends in a row with K backward passes)
+    confirmed: int = 0  # gradient reads right after a counted end, since count_by
+    counted_ends: int = 0  # counted ends since the last gradient read
+    synced: bool = False  # a read since count_by or recheck (the first only syncs)
 
 
 class StepRows:
@@ -118,7 +134,9 @@ class StepRows:
         kind = record["kind"]
         if kind == "backward_enter":
             if r.update is not None:  # (no optimizer_step came: it began the update)
-                self._end(r.update, r, r.update["t_mono_ns"])
+                # Ended where a counted or declared one ends too: at its last backward
+                # pass's return (the reads that found it come just after).
+                self._end(r.update, r, r.backward_to or r.update["t_mono_ns"])
                 r.update = None
             r.backwards += 1
             r.backward_seen = True
@@ -131,16 +149,21 @@ class StepRows:
             if r.backward_open is not None:
                 r.backward_ns += t - r.backward_open
                 r.backward_open = None
-            k = self.declared_microbatches
-            if k and r.backwards >= k and not (r.stepped or r.grad_reads):
-                self._end(record, r, t)
+            if r.stepped:
+                pass
+            elif r.count_k is not None and r.backwards >= r.count_k:
+                self._end(record, r, t, COUNTED)
+            elif (k := self.declared_microbatches) and r.backwards >= k and not r.grad_reads:
+                self._end(record, r, t, BACKWARD)
         elif kind in WAIT_KINDS:
             if r.totals is None:  # (raw waits beside the totals are already in them)
                 self._on_wait_marker(r, record["tid"], t, kind == "wait_enter")
         elif kind == "grad_read":
             if not r.stepped:
                 r.grad_reads = True  # (its updates are seen: no declared count from now)
-                if r.backwards:
+                if r.count_k is not None:
+                    self._check_count(r, record)
+                elif r.backwards:
                     r.update = record
         elif kind == "optimizer_step":
             r.stepped, r.update = True, None
@@ -171,7 +194,47 @@ class StepRows:
         if r.open_threads == 0:
             r.pending_ns += t - r.open_since
 
-    def _end(self, record: dict[str, Any], r: _Rank, t: int) -> None:
+    @staticmethod
+    def _check_count(r: _Rank, record: dict[str, Any]) -> None:
+        """A gradient read of a counted rank: one counted end since the previous read,
+        just before it, confirms K; more ends, or backward passes since the last one,
+        say K changed (the rank is back on gradient reads, this read its update's
+        start). The first read after count_by or a recheck only syncs."""
+        ends, r.counted_ends = r.counted_ends, 0
+        if not r.synced:
+            r.synced = True
+        elif r.backwards or ends != 1:
+            r.count_k, r.same_k = None, (0, 0)
+            r.update = record if r.backwards else None
+        else:
+            r.confirmed += 1
+
+    def learnt(self, pid: int) -> int | None:
+        """K, once the rank's last LEARN_UPDATES updates (found by gradient reads) each
+        had K backward passes and it is not counted yet; else None."""
+        r = self._ranks.get(pid)
+        if r is None or r.stepped or r.count_k is not None or r.same_k[1] < LEARN_UPDATES:
+            return None
+        return r.same_k[0]
+
+    def count_by(self, pid: int, k: int) -> None:
+        """End the rank's iterations at every K-th backward pass's return from now on
+        (until a gradient read says K changed)."""
+        r = self._ranks[pid]
+        r.count_k, r.confirmed, r.synced = k, 0, False
+
+    def counted(self, pid: int) -> tuple[bool, int]:
+        """(whether the rank is counted, the gradient reads that confirmed K since
+        ``count_by`` or the last ``recheck``)."""
+        r = self._ranks.get(pid)
+        return (False, 0) if r is None else (r.count_k is not None, r.confirmed)
+
+    def recheck(self, pid: int) -> None:
+        """The reads are probed again to check K: count their confirmations afresh."""
+        if pid in self._ranks:
+            self._ranks[pid].confirmed, self._ranks[pid].synced = 0, False
+
+    def _end(self, record: dict[str, Any], r: _Rank, t: int, how: str | None = None) -> None:
         if r.open_threads:  # a wait open across the end: split there
             r.pending_ns += t - r.open_since
             r.open_since = t
@@ -193,8 +256,13 @@ class StepRows:
         r.last_end = t
         r.ends += 1
         name = record["name"]
-        how = ((name.partition(":")[2] or "optimizer_frame") if name.startswith("pyspy")
-               else HOWS.get(record["kind"], UPROBE))
+        if how is None:
+            how = ((name.partition(":")[2] or "optimizer_frame") if name.startswith("pyspy")
+                   else HOWS.get(record["kind"], UPROBE))
+        if how == GRAD_READ:  # (K is learnt from a run of updates of the same K)
+            r.same_k = (r.backwards, r.same_k[1] + 1 if r.same_k[0] == r.backwards else 1)
+        elif how == COUNTED:
+            r.counted_ends += 1
         index = self._hows.setdefault(how, len(self._hows))
         first = r.backward_from if r.backward_from is not None else t
         last = r.backward_to if r.backward_to is not None and r.backward_to >= first else first
