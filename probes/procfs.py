@@ -60,10 +60,17 @@ class TargetProcess:
     # for good. create_time adds the kernel's btime, which moves by a second when the
     # wall clock is slewed, so comparing it took live ranks for exited ones.
     start_ticks: int = -1
+    # Its rank by start order among its launcher's ranks, where its environment gives
+    # none (mp.spawn's children: perfmon.probes.discovery.training_ranks).
+    order_rank: int | None = None
+    # "<comm>-<pid>" of the launcher that started it: the job's name where its variables
+    # name none (as the node service names it).
+    launcher: str | None = None
 
     @property
     def rank(self) -> int | None:
-        return rank_number(self.environ)
+        rank = rank_number(self.environ)
+        return rank if rank is not None else self.order_rank
 
     @property
     def start_monotonic_ns(self) -> int:
@@ -94,8 +101,10 @@ _READ_LIMITS = {"cmdline": 1 << 20, "environ": 4 << 20, "maps": 64 << 20, "statu
 # What of a command line is kept in the summary (each argument, and in all).
 CMDLINE_ARG_CHARS = 4096
 CMDLINE_TOTAL_CHARS = 65536
-# Descendants of a launcher pid that are looked at: far above any node's ranks.
-MAX_DESCENDANTS = 4096
+# A tree that does not say which of its processes train yet is looked at this many
+# times, this far apart (a parent's CPU time over the interval tells).
+RESOLVE_LOOKS = 4
+RESOLVE_INTERVAL_S = 0.5
 
 
 def read_proc(pid: int, name: str, binary: bool = False, proc: str = "/proc") -> str | bytes:
@@ -174,7 +183,7 @@ def container_of(pid: int) -> procfs.ContainerIds:
 def target_job(target: TargetProcess, host: str) -> dict[str, Any]:
     """The job a process belongs to, as the node service would name it from the same
     variables (perfmon.agent.daemon.jobs): ``session_info.job`` of ``attach``."""
-    name, id_from = job_identity(target.environ, f"{target.name}-{target.pid}")
+    name, id_from = job_identity(target.environ, target.launcher or f"{target.name}-{target.pid}")
     ids = container_of(target.pid)
     return {"id": name, "name": name, "id_from": id_from, "host": host, "uid": target.uid,
             "user": safe_name(user_name(target.uid)), "container_id": ids.container_id,
@@ -220,59 +229,52 @@ def inspect_process(pid: int) -> TargetProcess:
 
 
 def resolve_targets(pid: int) -> list[TargetProcess]:
-    """The training processes behind a pid, ordered by rank.
+    """The training processes behind a pid, ordered by rank: the node service's rule
+    (perfmon.probes.discovery.training_ranks) applied to the pid's tree.
 
-    - A launcher (torchrun, deepspeed, mpirun: a process whose descendants carry
-      a RANK variable it lacks itself) expands to the topmost descendants with
-      RANK. DataLoader workers, which inherit RANK from their rank, are skipped.
-    - A PyTorch process is itself the target.
-    - Anything else (a shell wrapper, srun) expands to its topmost descendants
-      that have PyTorch loaded; with none, the pid's own error is raised.
+    - A launcher (torchrun, deepspeed, mpirun, ``mp.spawn``'s parent: a process whose
+      descendants train while it does not) expands to the topmost of them; ranks
+      without RANK are numbered by start order. DataLoader workers are never ranks.
+    - A PyTorch process that trains (or has no descendant with PyTorch) is itself the
+      target.
+    - Anything else (a shell wrapper, srun) expands to what its topmost descendants with
+      PyTorch expand to; with none, the pid's own error is raised.
+
+    Where the tree does not say yet (a parent whose children with PyTorch name neither
+    a process group nor DataLoader workers), it is looked at again for up to
+    ``RESOLVE_LOOKS`` x ``RESOLVE_INTERVAL_S``: a busy parent is the rank, an idle one
+    the launcher of its children.
     """
+    from perfmon.probes.discovery import ProcessScan, training_ranks  # (it imports this)
+
     with process_errors(pid):
-        children = psutil.Process(pid).children(recursive=True)
-    children = children[:MAX_DESCENDANTS]
-    if "RANK" not in _rank_environ(pid):
-        with_rank = {c.pid for c in children if "RANK" in _rank_environ(c.pid)}
-        ranks = _topmost(children, with_rank)
-        if ranks:
-            return ranks
-    try:
-        return [inspect_process(pid)]
-    except UnsuitableTarget:
-        torch_children = _topmost(children, {c.pid for c in children})
-        if torch_children:
-            return torch_children
-        raise
-
-
-def _topmost(children: list[psutil.Process], eligible: set[int]) -> list[TargetProcess]:
-    """PyTorch processes among the eligible whose parent is neither eligible nor PyTorch."""
-    found: dict[int, TargetProcess] = {}
-    for child in children:
-        if child.pid not in eligible:
-            continue
-        try:
-            found[child.pid] = inspect_process(child.pid)
-        except (NoSuchProcess, UnsuitableTarget):
-            continue
-    tops = [t for t in found.values() if _ppid(t.pid) not in found]
-    return sorted(tops, key=lambda t: (t.rank is None, t.rank, t.pid))
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        return psutil.Process(pid).ppid()
-    except psutil.Error:
-        return None
-
-
-def _rank_environ(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return procfs.parse_environ(f.read(_READ_LIMITS["environ"]), ("RANK",))
-    except OSError:
-        return {}
+        psutil.Process(pid)  # NoSuchProcess or PrivilegeError, naming the pid
+    scan = ProcessScan(pid)
+    for look in range(RESOLVE_LOOKS):
+        snapshot = scan.scan(time.monotonic())
+        torch = {p for p in snapshot.processes
+                 if snapshot.has_torch(p) and not snapshot.is_data_worker(p)}
+        roots = [p for p in sorted(torch) if not any(a in torch for a in snapshot.ancestors(p))]
+        trees = [training_ranks(snapshot, root, torch) for root in roots]
+        if all(t.state != "unknown" for t in trees) or look == RESOLVE_LOOKS - 1:
+            break
+        time.sleep(RESOLVE_INTERVAL_S)
+    found: list[TargetProcess] = []
+    for tree in trees:
+        launcher = snapshot.processes[tree.launcher] if tree.launcher is not None else None
+        for n, rank in enumerate(tree.ranks):
+            try:
+                target = inspect_process(rank)
+            except (NoSuchProcess, UnsuitableTarget):
+                if rank == pid:
+                    raise
+                continue
+            found.append(replace(
+                target, order_rank=n if tree.numbered else None,
+                launcher=f"{launcher.comm}-{launcher.pid}" if launcher is not None else None))
+    if not found:
+        return [inspect_process(pid)]  # (not Python, or no PyTorch: its own error)
+    return sorted(found, key=lambda t: (t.rank is None, t.rank, t.pid))
 
 
 def _stat(pid: int, proc: str = "/proc") -> procfs.ProcStat:

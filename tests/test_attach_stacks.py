@@ -46,9 +46,15 @@ def test_slow_data_loader_is_the_largest_phase_and_shares_add_up(start_target, a
 def test_stalled_job_gives_a_hang_report_naming_the_function_and_a_hung_summary(
     start_target, agent, out_dir
 ):
-    target = start_target("--stall-at", "60", warm_iterations=5)
+    # The stall comes once the session has seen iterations: before any, nothing says
+    # the process trains, and it is "not training", never hung.
+    stall = out_dir.parent / "stall"
+    target = start_target("--stall-when", str(stall), warm_iterations=5)
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
                        "--hang-timeout", "3", "--hang-factor", "5")
+    wait_for(lambda: (s := _summary(out_dir)) and s["session_info"]["total_iterations"] > 5,
+             timeout_s=60, what="iterations seen")
+    stall.touch()
     reports = wait_for(lambda: list(out_dir.glob("hang_report_*.json")), timeout_s=60,
                        what="a hang report")
     report = json.loads(reports[0].read_text())

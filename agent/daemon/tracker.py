@@ -95,6 +95,7 @@ class JobRunner:
                  now_s: float) -> None:
         self.session = session
         self.pids = frozenset(t.pid for t in targets)
+        self.started = {t.pid: t.start_ticks for t in targets}
         self.ranks = {t.pid: t.rank for t in targets}
         self.world_size = max((world_size(t.environ) or 0 for t in targets), default=0) or None
         self.started_s = now_s
@@ -216,7 +217,7 @@ class JobTracker:
                                              lambda pid, err: skipped.update({pid: one_line(err)}))}
         self._say_skipped(skipped)
         for key, f in found.items():
-            job = self.jobs.get(key)
+            job = self.jobs.get(key) or self._carried_over(f, found)
             if job is None:
                 user = safe_name(user_name(f.uid))
                 job = self.jobs[key] = TrackedJob(f, self._unique_name(f.name, user), user,
@@ -243,6 +244,28 @@ class JobTracker:
         if self.host_folder is not None and now_s >= self._next_prune_s:
             self._next_prune_s = now_s + PRUNE_INTERVAL_S
             self.prune(time.time())
+
+    def _carried_over(self, f: FoundJob, found: dict[tuple[object, ...], FoundJob]
+                      ) -> TrackedJob | None:
+        """A watched job whose key the scan no longer gives while its ranks are now
+        ``f``'s ranks or launcher (a parent watched alone until its children showed
+        they are the ones that train; their variables name the job): the same job, now
+        under ``f``'s key. Its session restarts for the new ranks as any job's does."""
+        for key, job in self.jobs.items():
+            runner = job.runner
+            if key in found or runner is None or job.found.uid != f.uid:
+                continue
+            # (the same processes: a pid reused since is another process)
+            if not any(f.started.get(pid) == ticks for pid, ticks in runner.started.items()):
+                continue
+            del self.jobs[key]
+            self.jobs[f.key] = job
+            self.log(f"job {job.shown}: its ranks are pid(s) "
+                     f"{','.join(map(str, f.ranks)) or '-'}"
+                     + (f" (launcher pid {f.launchers[0]})" if f.launchers else "")
+                     + f"; the job is {f.name} ({f.id_from})")
+            return job
+        return None
 
     def _say_skipped(self, skipped: dict[int, str]) -> None:
         """One line per process whose data could not be read into a job, once while it
@@ -341,7 +364,8 @@ class JobTracker:
                 continue
             # The pid may have been reused since the scan: only the job's owner's.
             if target.uid == f.uid:
-                targets.append(target)
+                targets.append(replace(target, order_rank=f.rank_of.get(pid))
+                               if f.numbered else target)
         if not targets:
             self._failed(job, now_s, "; ".join(problems) or "no rank left")
             return
@@ -352,6 +376,8 @@ class JobTracker:
             self._failed(job, now_s, f"cannot create its folder: {err.strerror}")
             return
         job.limited = None
+        if job.record:  # (its launcher and ranks as they are now: they may have changed)
+            job.record.update(self._described(job, targets))
         job.record["ranks"] = [{"pid": t.pid, "rank": t.rank,
                                 "local_rank": local_rank(t.environ)}
                                for t in targets]
@@ -378,7 +404,10 @@ class JobTracker:
             return  # retrying: said once, when it first failed
         ranks = ",".join(str(t.rank) if t.rank is not None else "-" for t in targets)
         self.log(f"job {job.shown}: attaching to {len(targets)} rank(s) (ranks {ranks}; pids "
-                 f"{','.join(str(t.pid) for t in targets)}) -> {output_dir}")
+                 f"{','.join(str(t.pid) for t in targets)}) -> {output_dir}"
+                 + ("; ranks numbered by start order (no RANK in their environment)"
+                    if f.numbered else "")
+                 + (f"; launcher pid {f.launchers[0]}" if f.launchers else ""))
 
     def _failed(self, job: TrackedJob, now_s: float, reason: str) -> None:
         """Log a failure once per distinct reason; retry with back-off."""
@@ -466,6 +495,17 @@ class JobTracker:
     def _job_folder(self, job: TrackedJob, targets: list[TargetProcess]) -> OutputDir:
         assert self.host_folder is not None
         folder = self.host_folder.make_subdir(job_folder(job.name, job.user, datetime.now()))
+        job.record = {
+            "agent": "perfmon-agent", "agent_version": agent_version(),
+            **self._described(job, targets),
+            "first_seen": _now_iso(), "ended": None, "status": "running",
+            "segments": [],
+        }
+        return folder
+
+    def _described(self, job: TrackedJob, targets: list[TargetProcess]) -> dict[str, Any]:
+        """The record's fields that say which job it is: its id, owner, launcher and
+        command line (a job first seen as its launcher alone gets its children's)."""
         f = job.found
         launcher = None
         if f.launchers:
@@ -473,16 +513,10 @@ class JobTracker:
                 launcher = inspect_process(f.launchers[0])
             except ProbeError:
                 pass
-        job.record = {
-            "agent": "perfmon-agent", "agent_version": agent_version(),
-            "job_id": f.name, **self._identity(job),
-            "launcher": ({"pid": launcher.pid, "command_line": launcher.shown_cmdline}
-                         if launcher is not None else None),
-            "command_line": targets[0].shown_cmdline,
-            "first_seen": _now_iso(), "ended": None, "status": "running",
-            "segments": [],
-        }
-        return folder
+        return {"job_id": f.name, **self._identity(job),
+                "launcher": ({"pid": launcher.pid, "command_line": launcher.shown_cmdline}
+                             if launcher is not None else None),
+                "command_line": targets[0].shown_cmdline}
 
     def _identity(self, job: TrackedJob) -> dict[str, Any]:
         """Who the job is, as its record and its sessions' ``session_info.job`` say."""

@@ -1,11 +1,18 @@
 """Hangs: no iteration for too long, every rank's stacks dumped, a report written.
 
 Hung: no iteration for max(hang_factor x the recent median step time,
-hang_timeout). The stacks of every rank are then dumped in the background (a
-native dump pauses each rank for seconds) and ``hang_report_<stamp>.json`` is
-written beside the summary once they are in, with the innermost frame the ranks
-share (where they wait). Half way to the threshold the session samples stacks
-continuously (``suspected``), so the report has them.
+hang_timeout) after one was seen. The stacks of every rank are then dumped in the
+background (a native dump pauses each rank for seconds) and
+``hang_report_<stamp>.json`` is written beside the summary once they are in, with
+the innermost frame the ranks share (where they wait). Half way to the threshold
+the session samples stacks continuously (``suspected``), so the report has them.
+
+A session whose ranks never ended an iteration is not hung: nothing says they
+train (a launcher, a process that maps PyTorch and serves or waits, a job still
+loading). Past the same threshold it says so once, as a warning ("not training"),
+and no hang, report or stack dump follows; a hang is declared only after a first
+iteration (a job hung before the attach reads as not training: ``perfmon-agent
+stacks`` shows where it waits).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class HangWatch:
         self.targets, self.out, self.dumps, self.warn = targets, out, dumps, warn
         self._since: int | None = None  # iterations_ended when the hang was declared
         self._detected: _Detected | None = None  # while its dump runs
+        self._idle_said = False  # "not training" said (no iteration ever seen)
 
     def _threshold(self, summarizer: Summarizer) -> tuple[int, float]:
         """(last iteration end or attach, the no-iteration time that makes a hang)."""
@@ -52,9 +60,14 @@ class HangWatch:
         return last, max(self.factor * (median or 0), self.timeout_s * 1e9)
 
     def suspected(self, summarizer: Summarizer, now_ns: int) -> bool:
-        """Half way to a hang, or in one: the stacks are then sampled continuously."""
+        """Half way to a hang, or in one: the stacks are then sampled continuously.
+        Never before a first iteration (no hang can come)."""
+        if self._since is not None:
+            return True
+        if summarizer.iterations_ended == 0:
+            return False
         last, threshold_ns = self._threshold(summarizer)
-        return self._since is not None or now_ns - last >= threshold_ns / 2
+        return now_ns - last >= threshold_ns / 2
 
     def check(self, summarizer: Summarizer, now_ns: int) -> Record | None:
         """Declare a hang (its record comes with ``reports`` once the ranks are dumped), or
@@ -69,12 +82,23 @@ class HangWatch:
         last, threshold_ns = self._threshold(summarizer)
         if now_ns - last < threshold_ns:
             return None
+        if summarizer.iterations_ended == 0:
+            self._not_training((now_ns - last) / 1e9)
+            return None
         self._since = summarizer.iterations_ended
         self._detected = _Detected(now_ns, last, threshold_ns,
                                    summarizer.recent_median_step_ns(),
                                    datetime.now().astimezone())
         self.dumps.submit("hang", dump_ranks, self.targets, cancel=self.dumps.cancel)
         return None
+
+    def _not_training(self, for_s: float) -> None:
+        """No iteration ever seen, past the threshold: said once, no hang."""
+        if not self._idle_said:
+            self._idle_said = True
+            self.warn(f"not training: no iteration in {for_s:.0f} s since the attach (idle, "
+                      "still starting, or not a rank); no hang is reported before a first "
+                      "iteration")
 
     def reports(self) -> list[Record]:
         """The hang record (and its report file) once the background dump is in."""

@@ -99,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "compute (the median of its last 9 steps), a slow loader on a host of "
                         "any speed")
     p.add_argument("--stall-at", type=int, default=0, help="stall forever at this iteration")
+    p.add_argument("--stall-when", metavar="PATH",
+                   help="stall forever once PATH exists (looked for each iteration)")
     p.add_argument("--stall-for", type=float, default=0.0,
                    help="... or for this many seconds (a hang that resolves)")
     p.add_argument("--checkpoint", help="a file: resume from the iteration it names, and "
@@ -287,7 +289,8 @@ def train(args: argparse.Namespace) -> None:
             if iteration and len(steps) < 10_000:
                 steps.append(now - last)
         last = now
-        if args.stall_at and iteration == args.stall_at:
+        if (args.stall_at and iteration == args.stall_at) or (
+                args.stall_when and os.path.exists(args.stall_when)):
             deliberately_stalled_collective(args.stall_for)
         loading_s = 0.0
         for _ in range(args.grad_accum):
