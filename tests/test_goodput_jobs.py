@@ -266,12 +266,12 @@ def test_attached_to_a_job_that_makes_no_iteration_its_time_is_unobserved(
 @pytest.mark.usefixtures("ebpf")
 def test_attached_to_a_stalled_job_its_lost_time_starts_at_the_attach(
         start_target: Any, agent: Agent, out_dir: Path) -> None:
-    # Stalled for 20 s after its 3rd iteration (a long evaluation, a checkpoint), attached
+    # Stalled for 10 s after its 3rd iteration (a long evaluation, a checkpoint), attached
     # at once: its first iteration seen ends well after the attach. Its start-up is from
     # the attach to it, never from its process start.
-    job = start_target(*DEVICE_JOB, "--stall-at", "3", "--stall-for", "20",
+    job = start_target(*DEVICE_JOB, "--stall-at", "3", "--stall-for", "10",
                        warm_iterations=3)
-    run = agent.run("attach", "--pid", str(job.pid), "--duration", "40", "--output-dir",
+    run = agent.run("attach", "--pid", str(job.pid), "--duration", "20", "--output-dir",
                     str(out_dir))
     assert run.returncode == 0, run.stderr
     summary = load_summary(out_dir)

@@ -162,3 +162,4 @@ def test_a_declared_count_of_backward_passes_measures_updates_no_probe_sees(
         assert sum(1 for t in stamps if a < t <= b) == 10
     assert stats["data_quality"]["losses"] == []
     assert "nothing missed" in run.stdout
+

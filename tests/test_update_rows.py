@@ -174,9 +174,10 @@ class _FakeGradProbe:
 
 @settings(max_examples=150, deadline=None)
 @given(k1=st.integers(1, 4), k2=st.integers(1, 4), n=st.integers(60, 400),
-       change_at=st.integers(0, 399), step_ms=st.integers(5, 400))
+       change_at=st.integers(0, 399), step_ms=st.integers(5, 400),
+       polls=st.lists(st.integers(0, 2), min_size=8, max_size=8))
 def test_counted_updates_stay_one_end_each_and_a_changed_count_is_found(
-        k1, k2, n, change_at, step_ms):
+        k1, k2, n, change_at, step_ms, polls):
     """A job of ``n`` updates of ``k1`` backward passes, ``k2`` from update
     ``change_at`` on; the session's UpdateSampling learns K, counts, detaches the probe
     and checks K again every RECHECK_S. Every update ends once, in the gap between its
@@ -200,10 +201,17 @@ def test_counted_updates_stay_one_end_each_and_a_changed_count_is_found(
             rows.feed(_marker(enter, "backward_enter"))
             rows.feed(_marker(enter + q, "backward_exit"))
         gaps.append((enter + q, None))
-        if PID in probe.grad_reads_on:
+        # The session looks at the rows after the update's backward passes, after its
+        # read, or after both (the read, sent while the probe was on, is then in flight).
+        read = PID in probe.grad_reads_on
+        when = polls[i % len(polls)]
+        if when == 0:
+            sampling.schedule(t + step - 1)
+        if read:
             rows.feed(_marker(enter + q + q // 2, "grad_read"))
         t += step
-        sampling.schedule(t)
+        if when != 0:
+            sampling.schedule(t)
     ends = []
     steps = rows.take()
     if steps is not None:

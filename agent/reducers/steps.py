@@ -222,6 +222,11 @@ class StepRows:
         (until a gradient read says K changed)."""
         r = self._ranks[pid]
         r.count_k, r.confirmed, r.synced = k, 0, False
+        if r.update is None and r.backwards >= k and r.backward_to is not None:
+            # Its update's K backward passes are in, its read not yet (it comes in a
+            # later poll): ended here, or it would be counted with the next update's.
+            self._end({"pid": pid, "kind": "backward_exit", "name": ""}, r, r.backward_to,
+                       COUNTED)
 
     def counted(self, pid: int) -> tuple[bool, int]:
         """(whether the rank is counted, the gradient reads that confirmed K since

@@ -14,6 +14,7 @@ before the parameters change, as train_gpt.py does before optimizer.step().
                  is ever read (no probe sees its updates)
 --peek-grads-every N: read a gradient after the first backward pass of every Nth
 update (a gradient-norm log between micro-batches).
+--switch-when PATH --then-backwards K: once PATH exists, K backward passes an update.
 --backwards K: backward passes (micro-batches) per update.
 """
 
@@ -33,6 +34,8 @@ def parse_args() -> argparse.Namespace:
                             "autograd_grad"])
     p.add_argument("--backwards", type=int, default=1)
     p.add_argument("--peek-grads-every", type=int, default=0)
+    p.add_argument("--switch-when", default=None)
+    p.add_argument("--then-backwards", type=int, default=0)
     p.add_argument("--foreach", action="store_true")
     p.add_argument("--fused", action="store_true")
     p.add_argument("--hidden", type=int, default=256)
@@ -103,6 +106,8 @@ def main() -> None:
                 for p, *gs in zip(params, *grads, strict=True):
                     p -= lr * sum(gs)  # noqa: PLW2901 (in place, as such code does)
             continue
+        if args.switch_when and args.then_backwards and os.path.exists(args.switch_when):
+            args.backwards, args.switch_when = args.then_backwards, None
         for b in range(args.backwards):
             loss_of().backward()
             if b == 0 and args.peek_grads_every and update % args.peek_grads_every == 0:
