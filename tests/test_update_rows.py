@@ -233,3 +233,19 @@ def test_counted_updates_stay_one_end_each_and_a_changed_count_is_found(
             n * step / (RECHECK_S * 1e9))
     elif LEARN_UPDATES + 2 < change_at and late < n:  # (K1 learnt first) found, learnt again
         assert sampling.changes == 1 and sampling.counted == 2
+
+
+def test_a_counter_that_disagrees_with_the_optimizer_marker_is_no_loss():
+    """HF Trainer's local ``step`` counts micro-batches: against iterations ended by the
+    Optimizer.step marker it drifts, and that says the counter is no update counter,
+    not that an update was missed; against gradient-read ends the same drift is a loss."""
+    period = 10_000_000
+    for how, expected in (("uprobe", False), ("grad_read", True)):
+        clock = IterationClock(Workload(), PID, 0)
+        for i, t in enumerate((5 * period, 40 * period)):
+            clock.job.on_read({"t_mono_ns": t + period // 2, "end_mono_ns": t + period // 2 + 1000,
+                               "value": 2 * (5 + 35 * i), "name": "step"})
+        for k in range(1, 60):
+            clock.on_row(k * period, 2, how)
+        clock.job.resolve(None)
+        assert (clock.quality()["counter_disagrees"] > 0) == expected

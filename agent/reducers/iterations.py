@@ -150,7 +150,11 @@ class IterationClock:
             "microbatches_unknown": measured - len(self._microbatches),
             "microbatches_varied": sum(n for micro, n in self._grad_read_micro.items()
                                        if micro != usual),
-            "counter_disagrees": self.job.disagreement,
+            # (the Optimizer.step marker is the truth: where it alone ended iterations, a
+            # counter that disagrees is no update counter (HF Trainer's micro-batch
+            # `step`), not a miss)
+            "counter_disagrees": (self.job.disagreement
+                                  if self.estimators.keys() - {"uprobe"} else 0),
         }
 
     @property
