@@ -167,7 +167,13 @@ def describe_event(event: dict[str, Any]) -> str:
     if kind == "straggler_ended":
         return f"straggler: {who(event)} no longer lags (since {event['until']})"
     moved = [who(r) for r in event.get("ranks") or [] if r.get("moved")]
-    what = "fail-slow" if kind == "fail_slow" else "recovered"
+    what = {"fail_slow": "fail-slow", "eased": "fail-slow eased",
+            "recovered_partly": "recovered partly"}.get(kind, kind)
+    # (where the job runs against its healthy pace, once it is no longer the change)
+    base = event.get("baseline_step_time_ms")
+    against = (f", {event['vs_baseline_pct']:+.0f}% against the healthy {base:.1f} ms"
+               if kind in ("eased", "recovered_partly") and base else "")
     return (f"{what}: step time {event['before_step_time_ms']:.1f} -> "
-            f"{event['after_step_time_ms']:.1f} ms ({event['change_pct']:+.0f}%) since "
-            f"{event['timestamp']}" + (f"; compute moved on {', '.join(moved)}" if moved else ""))
+            f"{event['after_step_time_ms']:.1f} ms ({event['change_pct']:+.0f}%{against}) "
+            f"since {event['timestamp']}"
+            + (f"; compute moved on {', '.join(moved)}" if moved else ""))

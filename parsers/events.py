@@ -229,13 +229,16 @@ class JobIteration(Record):
 
 @dataclass(frozen=True)
 class Hang(Record):
-    """No iteration for ``threshold_s``: where the ranks wait and the report's path."""
+    """No iteration for ``threshold_s``: where the ranks wait, the report's path, and
+    ``phase``: the training phase most ranks' main threads are in (data_loading,
+    forward, backward, optimizer, other; null: no stacks)."""
 
     TYPE: ClassVar[str] = "hang"
     last_iteration_mono_ns: int
     threshold_s: float
     frame: str
     report: str
+    phase: str | None = None
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ from perfmon.agent.reducers import Summarizer
 from perfmon.agent.reducers.failslow import FailSlow
 from perfmon.agent.reducers.goodput import (
     CAUSES,
-    FROM_START_STEPS,
     Goodput,
     Ledger,
     combined,
     recorded_ledger,
 )
+from perfmon.agent.reducers.pace import STALL_MIN_NS, STALL_PACES
 
 from tests.eventlogs import START_NS, session_facts
 
@@ -59,10 +59,11 @@ class Stream:
         self.goodput.on_iteration(self.t, step, self.failslow.baseline)
 
     def ledger(self, end_ns: int | None = None, stragglers: list | None = None,
-               hung: bool = False, first_job_iteration: int | None = None) -> dict:
+               hung: bool = False, first_job_iteration: int | None = None,
+               exited: bool = False) -> dict:
         self.failslow.resolve([], True)
         return self.goodput.summary(end_ns or self.t, self.failslow.summary(),
-                                    stragglers or [], hung, first_job_iteration)
+                                    stragglers or [], hung, first_job_iteration, exited=exited)
 
 
 def _adds_up(ledger: dict) -> None:
@@ -126,7 +127,17 @@ def test_a_session_that_ends_hung_counts_its_tail_as_the_hang():
     end = s.t + 25 * S
     ledger = s.ledger(end_ns=end, hung=True)
     _adds_up(ledger)
-    assert ledger["lost_seconds"]["hang"] == pytest.approx(25, abs=0.01)
+    # (less the iteration's own pace: that it would have taken, not seen)
+    assert ledger["lost_seconds"]["hang"] == pytest.approx(24.9, abs=0.01)
+    assert ledger["unobserved_seconds"] == pytest.approx(0.1 + 0.05, abs=0.01)
+    # Not yet declared hung (the session ended first): a stall all the same.
+    assert s.ledger(end_ns=s.t + 5 * S)["lost_seconds"]["hang"] == pytest.approx(4.9, abs=0.01)
+    # A tail of less than a stall is the iteration that was running: not seen.
+    short = s.ledger(end_ns=s.t + 120 * MS)
+    assert short["lost_seconds"]["hang"] == 0
+    assert short["unobserved_seconds"] == pytest.approx(0.05 + 0.12, abs=0.002)
+    # The ranks' end (they exited): not a stall either.
+    assert s.ledger(end_ns=end, exited=True)["lost_seconds"]["hang"] == 0
 
 
 def test_a_restart_counts_the_gap_the_new_start_up_and_the_iterations_redone():
@@ -134,7 +145,8 @@ def test_a_restart_counts_the_gap_the_new_start_up_and_the_iterations_redone():
     first.first(5 * S)
     first.steps(60, 100)
     # (a rank failed 2 s after the last iteration; the session ended then)
-    before = {"ledger": first.ledger(end_ns=first.t + 2 * S), "end_mono_ns": first.t + 2 * S,
+    before = {"ledger": first.ledger(end_ns=first.t + 2 * S, exited=True),
+              "end_mono_ns": first.t + 2 * S,
               "last_end_mono_ns": first.t, "last_job_iteration": 650}
     # The next incarnation starts 3 s after the last one ended, iterates 7 s later,
     # and resumes from iteration 601 (its last checkpoint): 50 iterations redone.
@@ -146,8 +158,11 @@ def test_a_restart_counts_the_gap_the_new_start_up_and_the_iterations_redone():
     _adds_up(ledger)
     job = ledger["job"]
     _adds_up(job)
+    # (the first session's 2 s after its last iteration were not seen there: its ranks'
+    # end; the job's ledger knows them for the restart's)
+    assert before["ledger"]["unobserved_seconds"] == pytest.approx(2, abs=0.01)
     assert job["wall_seconds"] == pytest.approx(before["ledger"]["wall_seconds"]
-                                                + 3 + ledger["wall_seconds"], abs=0.01)
+                                                + 2 + 3 + ledger["wall_seconds"], abs=0.01)
     # 2 s after the last iteration, 3 s between the incarnations, 7 s less a healthy step
     # of start-up, 50 x 100 ms redone; the first session's 2 s are no longer unexplained
     assert job["lost_seconds"]["restart"] == pytest.approx(2 + 3 + 6.9 + 5, abs=0.3), job
@@ -160,7 +175,7 @@ def test_a_week_of_bins_stays_small_and_adds_up():
     s.first(50 * MS)
     for _ in range(50):  # (widened many times over)
         s.steps(3000, 1000, noise=0.0)
-    assert len(s.goodput._bins) <= 4096
+    assert len(s.goodput._account.bins) <= 4096
     _adds_up(s.ledger())
 
 
@@ -299,12 +314,34 @@ class Case:
     baseline: bool  # whether the healthy pace had formed (the fail-slow baseline)
     previous_end_ns: int | None  # the job's previous session's end (node service)
 
+    @property
+    def healthy_ns(self) -> int:
+        """The healthy step as the ledger knows it: the steps' (none measured: 0)."""
+        return self.step_ns if self.iterations else 0
+
+    def stall_ns(self) -> int:
+        """The least a stall adds to a step (noise-free steps): the rule's floor."""
+        return max(int(STALL_PACES * self.healthy_ns), STALL_MIN_NS)
+
     def late(self) -> bool:
-        """Whether the job was not iterating at attach: its first iteration ended more
-        than two healthy steps after it (the healthy pace known: a step measured with
-        the baseline formed)."""
-        return (self.first_end_ns is not None and self.baseline and self.iterations > 0
-                and self.first_end_ns - self.attach_ns > FROM_START_STEPS * self.step_ns)
+        """Whether the job was not iterating at attach: its first iteration ended a
+        healthy step and a stall or more after it, or (found by the node service) its
+        process was younger at the attach than that lead."""
+        if self.first_end_ns is None:
+            return False
+        lead = self.first_end_ns - self.attach_ns
+        young = (not self.attach_only and self.process_start_ns is not None
+                 and self.attach_ns - self.process_start_ns < lead)
+        return young or lead - self.healthy_ns >= self.stall_ns()
+
+    def tail_stalled(self) -> bool:
+        """Whether the time after its last iteration is a stall (else not seen)."""
+        return self.end_ns - self.last_end_ns - self.healthy_ns >= self.stall_ns()
+
+    @property
+    def last_end_ns(self) -> int:
+        assert self.first_end_ns is not None
+        return self.first_end_ns + self.iterations * self.step_ns
 
     def truth_start(self) -> int:
         """Where the window starts, by the rule: at the attach unless the node service or
@@ -363,21 +400,29 @@ def test_the_window_never_starts_before_an_attach_and_unseen_time_is_unobserved(
         assert ledger["wall_seconds"] == ledger["productive_seconds"] == 0
         assert not any(ledger["lost_seconds"].values()), ledger
         return
-    assert ledger["unobserved_seconds"] == 0
+    # Not seen: the iteration running at the attach (the job iterating then), and after
+    # the last end, the iteration running (less than a stall: else the stall is a hang,
+    # and its own pace not seen).
+    tail_ns = case.end_ns - case.last_end_ns
+    unseen_ns = ((0 if case.late() else case.first_end_ns - case.attach_ns)
+                 + (min(tail_ns, case.healthy_ns) if case.tail_stalled() else tail_ns))
+    assert ledger["unobserved_seconds"] == pytest.approx(unseen_ns / 1e9, abs=2e-3)
+    hang_ns = tail_ns - case.healthy_ns if case.tail_stalled() else 0
+    assert ledger["lost_seconds"]["hang"] == pytest.approx(hang_ns / 1e9, abs=2e-3)
     assert ledger["ratio"] is None or 0 <= ledger["ratio"] <= 1
     start = case.truth_start()
-    assert ledger["wall_seconds"] == pytest.approx((case.end_ns - start) / 1e9, abs=1e-3)
+    assert ledger["wall_seconds"] == pytest.approx((case.end_ns - start - unseen_ns) / 1e9,
+                                                   abs=2e-3)
     if case.attach_only or (case.process_start_ns is not None
                             and case.process_start_ns >= case.attach_ns):
         # attach to a process already running, or one whose start it saw: from the attach
         assert ledger["from"] == "attach"
-        assert ledger["wall_seconds"] == pytest.approx(session_s, abs=1e-3)
     expected_from = ("attach" if start == case.attach_ns else
                      "process_start" if start == case.process_start_ns else "previous_session")
     assert ledger["from"] == expected_from
     # Start-up only for a job not iterating at attach: to its first iteration's end from
     # the window's start, less a healthy step.
-    startup_ns = case.first_end_ns - start - case.step_ns if case.late() else 0
+    startup_ns = max(0, case.first_end_ns - start - case.healthy_ns) if case.late() else 0
     assert ledger["lost_seconds"]["startup"] == pytest.approx(startup_ns / 1e9, abs=1e-3)
     if case.previous_end_ns is not None:  # the job's: the earlier 60 s, the gap, this one
         job = ledger["job"]
@@ -385,4 +430,4 @@ def test_the_window_never_starts_before_an_attach_and_unseen_time_is_unobserved(
         gap_s = max(0, start - case.previous_end_ns) / 1e9
         assert job["wall_seconds"] == pytest.approx(60 + gap_s + ledger["wall_seconds"],
                                                     abs=2e-3)
-        assert job["unobserved_seconds"] == 0
+        assert job["unobserved_seconds"] == ledger["unobserved_seconds"]

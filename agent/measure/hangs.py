@@ -17,6 +17,7 @@ stacks`` shows where it waits).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -27,7 +28,7 @@ from perfmon.agent.record.outputs import OutputDir, json_bytes
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.events import Hang, HangRecovered, Record
 from perfmon.parsers.pyspy import ThreadStack
-from perfmon.parsers.stack_analysis import innermost_common_frame
+from perfmon.parsers.stack_analysis import classify_phase, innermost_common_frame
 from perfmon.probes.background import BackgroundCalls
 from perfmon.probes.procfs import TargetProcess
 from perfmon.probes.stacks import dump_ranks, main_python_stacks
@@ -115,7 +116,11 @@ class HangWatch:
         return self._report(detected, {}) if detected is not None else None
 
     def _report(self, d: _Detected, stacks: dict[int, list[ThreadStack]]) -> Record:
-        frame = innermost_common_frame(main_python_stacks(stacks))
+        mains = main_python_stacks(stacks)
+        frame = innermost_common_frame(mains)
+        # (what most ranks were doing: data loading makes the stall a data stall)
+        phases = Counter(classify_phase(m) for m in mains)
+        phase = phases.most_common(1)[0][0] if phases else None
         where = f"{frame.function} ({frame.file}:{frame.line})" if frame else "no common frame"
         report: dict[str, Any] = {
             "detected_at": d.at.isoformat(),
@@ -133,4 +138,4 @@ class HangWatch:
         self.warn(f"hang: no iteration for {(d.t_mono_ns - d.last_ns) / 1e9:.1f} s "
                   f"(threshold {d.threshold_ns / 1e9:.1f} s); ranks wait in {where}; "
                   f"stacks in {path}")
-        return Hang(d.t_mono_ns, d.last_ns, d.threshold_ns / 1e9, where, path)
+        return Hang(d.t_mono_ns, d.last_ns, d.threshold_ns / 1e9, where, path, phase)

@@ -90,7 +90,7 @@ class Incidents:
         elif kind == "hang":
             self.begin("hang", record["last_iteration_mono_ns"], record["t_mono_ns"],
                        f"no iteration for {record['threshold_s']:.1f} s; the ranks wait in "
-                       f"{record['frame']}", pids=[],
+                       f"{record['frame']}", pids=[t.pid for t in self.targets],
                        figures={k: record[k] for k in ("threshold_s", "frame")})
         elif kind == "rank_exit" and _failed(record) and not self._exit_seen:
             # (the first abnormal exit: the others follow from it, e.g. a launcher

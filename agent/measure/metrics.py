@@ -50,6 +50,7 @@ from perfmon.agent.measure.exposition import (
 )
 from perfmon.agent.measure.observer import SessionObserver
 from perfmon.agent.options import DEFAULT_METRICS_ADDRESS, METRICS_OFF
+from perfmon.agent.reducers.failslow import EPISODE_CLOSES, EVENT_KINDS
 from perfmon.agent.reducers.goodput import CAUSES
 from perfmon.agent.reducers.quality import HINTS
 from perfmon.parsers.errors import PerfmonError
@@ -57,6 +58,9 @@ from perfmon.parsers.job_identity import safe_name
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+# A fail-slow episode is open when the last event is one of these.
+EPISODE_OPEN = frozenset(EVENT_KINDS) - EPISODE_CLOSES
 
 DEFAULT_ADDRESS = DEFAULT_METRICS_ADDRESS  # loopback only (perfmon.agent.options)
 
@@ -405,7 +409,7 @@ def _active_fail_slow(events: object) -> tuple[float, str] | None:
     after = _number(last.get("after_step_time_ms"))
     base = _number(last.get("baseline_step_time_ms")) or _number(
         last.get("before_step_time_ms"))
-    if last.get("event") != "fail_slow" or after is None or not base:
+    if last.get("event") not in EPISODE_OPEN or after is None or not base:
         return None
     phases = last.get("phases")
     first = phases[0] if isinstance(phases, list) and phases else None

@@ -287,7 +287,8 @@ class Summarizer:
         ledger = self.goodput.summary(self.end_t_mono_ns or self._latest_ns,
                                       self.failslow.summary(), self.ranks.stragglers(),
                                       self.hangs.hung,
-                                      1 + offset if offset is not None else None)
+                                      1 + offset if offset is not None else None,
+                                      exited=self.end_reason == "target_exited")
         # (the job's own number of its last iteration: a next session, after a restart,
         # counts the iterations redone from it)
         ledger["last_job_iteration"] = (self.clock.iterations_ended + offset

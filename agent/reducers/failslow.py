@@ -6,7 +6,9 @@ time, against a level that follows the job and a baseline, its healthy pace
 
 - Blocks: the step times are grouped into blocks of ``block_s`` (2 s) of steps (5 to
   50 of them); each block is reduced to its median m, so one slow iteration (a GC
-  pause, a checkpoint) moves nothing.
+  pause, a checkpoint) moves nothing. Stalls (perfmon.agent.reducers.pace) are left
+  out: the goodput ledger's hang, no shift of the pace, and never time that sustains
+  one (the time a shift lasts is its blocks' steps').
 - Warm-up: the first blocks are left out until ``settle_blocks`` (3) in a row lie
   within d of their median (or after ``settle_max_blocks``, 15): a job's first
   steps (compilation, caches, the agent's probes attaching) are no baseline, and a
@@ -35,12 +37,24 @@ time, against a level that follows the job and a baseline, its healthy pace
   back within d / 4, the sums restart.
 - Drift: healthy, when every block of the last 10 s is d or more above the
   baseline though the sums never confirmed a step (a creep), that is a
-  ``fail_slow`` event too. Any rise whose last block at or below the baseline lies
-  more than 20 s before its change point is marked ``drift`` and dated from there.
+  ``fail_slow`` event too. Any rise whose last block at or below the baseline (or,
+  after a recovery, within d / 4 of the pace it came back to) lies more than 20 s
+  before its change point is marked ``drift`` and dated from there. Slow, every block of the last 10 s back within d of the baseline (their
+  median nearer it than the slow level) is a ``recovered`` event whatever the sums
+  say: an episode measured over a short spike, or a fall smaller than d, never stays
+  open on a job back at its pace.
 - Healthy, a confirmed rise is a ``fail_slow`` event (before: the level); a
-  confirmed fall is a new pace (a job that sped up), no event. Slow, a fall back
-  within d of the baseline (or below it) is a ``recovered`` event; a further rise
-  is another ``fail_slow`` event; any other confirmed change moves the slow level.
+  confirmed fall is a new pace (a job that sped up), no event. Slow, every confirmed
+  change is an event, found as a rise is: a further rise is another ``fail_slow``; a
+  fall back within d of the baseline (or below it) is ``recovered``; a fall to a
+  level still d or more above the baseline but nearer it than the episode's level
+  (more than half of the rise undone, in log terms) is ``recovered_partly``: the
+  episode closes and the healthy pace starts again from the new level (a host a
+  little busier than before), the event saying where the job runs against the old
+  baseline (``vs_baseline_pct``); a smaller fall is ``eased``: still slow, the
+  episode open at the lower level. ``EPISODE_CLOSES`` names the kinds that close an
+  episode; ``episodes`` lays them out (the goodput ledger and the Prometheus gauge
+  read them from there).
 
 At 100-250 ms steps a rise of 10 % or more is confirmed ~10-13 s after it starts, a
 5 % one within ~15-25 s (on a quiet job), as soon as the baseline has formed. The
@@ -64,9 +78,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from perfmon.agent.reducers.pace import Pace
 from perfmon.agent.reducers.ranks import MAD_TO_SIGMA, RankTimes
 
 MAX_EVENTS = 500  # the most recent kept
+EVENT_KINDS = ("fail_slow", "eased", "recovered_partly", "recovered")
+EPISODE_CLOSES = frozenset({"recovered", "recovered_partly"})
 # Interval entry fields that are the step itself, not the state around it.
 _NOT_STATE = {"end_monotonic_ns", "iteration", "timestamp", "step_time_ms", "TFLOPS_per_GPU",
               "tokens_per_sec", "samples_per_sec", "kept_one_in", "phases", "ranks"}
@@ -105,10 +122,15 @@ class FailSlow:
         self.new_events: list[dict[str, Any]] = []  # for live lines
         self.warmup_until_ns: int | None = None  # the end of the blocks left out as warm-up
         self._current: list[tuple[int, int]] = []  # (end, step) of the block being filled
-        self._blocks: list[tuple[int, int, float]] = []  # (start, end, median step ns)
+        self._current_ns = 0  # ... the time of its steps
+        # (start, end, median step ns, its steps' time: a stall between them left out)
+        self._blocks: list[tuple[int, int, float, int]] = []
+        self._stall_rule = Pace()  # (stalls are left out of the blocks: no shift of the pace)
         self.baseline: float | None = None  # ns: the healthy pace
         self.level: float | None = None  # the current level (follows the job)
         self.slow = False
+        self._episode_level = 0.0  # the level the last event put the job at (slow)
+        self._came_back_to = 1.0  # ... healthy: where the last recovery found it (ns)
         self._up = self._down = 0.0
         self._up_from = self._down_from = 0  # index in _blocks of the change point
         self._at_baseline = 0  # index in _blocks of the last block near the baseline
@@ -134,22 +156,26 @@ class FailSlow:
         return max(floor, self.rule.z * sigma)
 
     def on_iteration(self, end_ns: int, step_ns: int) -> None:
+        if self._stall_rule.take(step_ns)[1]:
+            return  # a stall: no shift of the pace (the goodput ledger's hang)
         # Blocks by time (block_s of steps, min_block..max_block of them), so that a
         # block spans the same time whatever the pace, warm-up or not.
         current = self._current
         current.append((end_ns, step_ns))
+        self._current_ns += step_ns
         if len(current) < self.rule.max_block and (
                 len(current) < self.rule.min_block
-                or end_ns - current[0][0] + current[0][1] < self.rule.block_s * 1e9):
+                or self._current_ns < self.rule.block_s * 1e9):
             return
         block, self._current = current, []
+        active_ns, self._current_ns = self._current_ns, 0
         start = block[0][0] - block[0][1]
         logs = [math.log(max(s, 1)) for _, s in block]
         centre = statistics.median(logs)
         # The spread of a median of B steps: 1.2533 sigma / sqrt(B) (normal steps).
         self._within.append(MAD_TO_SIGMA * statistics.median(abs(x - centre) for x in logs)
                             * 1.2533 / math.sqrt(len(logs)))
-        self._blocks.append((start, block[-1][0], math.exp(centre)))
+        self._blocks.append((start, block[-1][0], math.exp(centre), active_ns))
         # Blocks are small (one every ~2 s); keep what the change points need.
         if len(self._blocks) > 4096:
             drop = len(self._blocks) - 2048
@@ -195,7 +221,10 @@ class FailSlow:
         d = self.shift
         if not self.slow:
             self._noise.append(math.log(m / self._blocks[i - 1][2]))
-        if m <= self.baseline:
+        # At the healthy pace, give or take: near the baseline, or near the pace the job
+        # came back to (a recovery a little above the baseline).
+        if m <= self.baseline or (
+                not self.slow and abs(math.log(m / self._came_back_to)) < d / 4):
             self._at_baseline = i
         if self._up == 0:
             self._up_from = i
@@ -210,7 +239,7 @@ class FailSlow:
         self._pending.append(m)
         if self._up == self._down == 0 or len(self._pending) >= self.rule.level_blocks:
             self._settle_pending()
-        if self._step_change(i, d) or self._drift(i, d):
+        if self._step_change(i, d) or self._drift(i, d) or self._returned(i, d):
             self._up = self._down = 0.0
             self._settle_pending()
 
@@ -245,7 +274,7 @@ class FailSlow:
             while last > start and (abs(math.log(self._blocks[last][2] / after))
                                     > abs(math.log(self._blocks[last][2] / self.level))):
                 last -= 1
-            if self._blocks[last][1] - self._blocks[start][0] < need_s * 1e9:
+            if self._active_ns(start, last) < need_s * 1e9:
                 return False  # not sustained (yet): the sums go on
             # (the alarm is the evidence: the shift's own size need only come near d;
             # below that the sums go on, until its blocks join the level)
@@ -264,10 +293,7 @@ class FailSlow:
         assert self.baseline is not None
         if self.slow or self._up > d:  # (a step that builds is the sums' to confirm)
             return False
-        since = i
-        while since > 0 and self._blocks[i][1] - self._blocks[since][0] < (
-                self.rule.sustain_s * 1e9):
-            since -= 1
+        since = self._sustained_from(i)
         recent = [b[2] for b in self._blocks[since:i + 1]]
         if since == 0 or min(math.log(m / self.baseline) for m in recent) < d:
             return False
@@ -276,6 +302,39 @@ class FailSlow:
         self._changed(start, statistics.median(recent), d, recent, drift=True)
         self._pending.clear()
         return True
+
+    def _sustained_from(self, i: int) -> int:
+        """The first of the blocks up to ``i`` that hold the last sustain_s of steps
+        (0: not that many yet)."""
+        since = i
+        while since > 0 and self._active_ns(since, i) < self.rule.sustain_s * 1e9:
+            since -= 1
+        return since
+
+    def _returned(self, i: int, d: float) -> bool:
+        """Slow, a job back at its healthy pace whatever the sums say (an episode whose
+        level was measured over a short spike, a fall too small for the sums): every
+        block of the last sustain_s within d of the baseline, their median nearer it
+        than the level the last event found (the level itself follows the job down by
+        steps smaller than d). A ``recovered`` event dated from the first of them."""
+        assert self.baseline is not None and self.level is not None
+        if not self.slow:
+            return False
+        since = self._sustained_from(i)
+        recent = [b[2] for b in self._blocks[since:i + 1]]
+        if since == 0 or max(math.log(m / self.baseline) for m in recent) >= d:
+            return False
+        after = statistics.median(recent)
+        if math.log(after / self.baseline) >= math.log(self._episode_level / after):
+            return False
+        self._changed(since, after, d, recent)
+        self._pending.clear()
+        return True
+
+    def _active_ns(self, first: int, last: int) -> int:
+        """The time of the steps of blocks ``first`` to ``last`` (stalls left out: a
+        shift is sustained by the job's steps, never by a stall between them)."""
+        return sum(b[3] for b in self._blocks[first:last + 1])
 
     def _settle_pending(self) -> None:
         """The pending blocks were no change: into the level."""
@@ -299,16 +358,20 @@ class FailSlow:
                  drift: bool = False) -> None:
         assert self.level is not None and self.baseline is not None
         before = self.level
+        above = math.log(after / self.baseline)  # (where the new level is: its excess)
         if after > before:  # slower (than the healthy level, or than the slow level)
             kind = "fail_slow"
-        elif self.slow and math.log(after / self.baseline) < threshold:
-            kind = "recovered"  # back within d of the baseline, or faster
-        else:
-            if not self.slow:  # faster: the healthy pace starts again from here
-                self.baseline = after
-                self._healthy.clear()
-            self._at_pace(after, recent)  # (slow: partly back, still slow at a new level)
+        elif not self.slow:  # faster: the healthy pace starts again from here, no event
+            self.baseline = after
+            self._healthy.clear()
+            self._at_pace(after, recent)
             return
+        elif above < threshold:
+            kind = "recovered"  # back within d of the baseline, or faster
+        elif above < math.log(before / after):
+            kind = "recovered_partly"  # nearer the baseline than the episode's level
+        else:
+            kind = "eased"  # still nearer the slow level: the episode goes on there
         change_ns, detected_ns = self._blocks[start][0], self._blocks[-1][1]
         if kind == "fail_slow" and not self.slow:
             # When the job last ran at its healthy pace: long before the change point,
@@ -323,6 +386,7 @@ class FailSlow:
             "before_step_time_ms": before / 1e6, "after_step_time_ms": after / 1e6,
             "change_pct": 100 * (after / before - 1),
             "baseline_step_time_ms": self.baseline / 1e6,
+            "vs_baseline_pct": 100 * math.expm1(above),
             "min_shift_pct": 100 * math.expm1(threshold), "drift": drift,
             "_before_from_ns": before_from, "_settled_ns": self._blocks[start][1],
             "ranks": self._ranks(before_from, change_ns),
@@ -332,7 +396,11 @@ class FailSlow:
         if len(self.events) > MAX_EVENTS:
             del self.events[0]
         self.new_events.append(event)
-        self.slow = kind == "fail_slow"
+        self.slow = kind in ("fail_slow", "eased")
+        self._episode_level = self._came_back_to = after  # (where the last event put it)
+        if kind == "recovered_partly":  # (the job's pace from here is its healthy one)
+            self.baseline = after
+            self._healthy.clear()
         self._at_pace(after, recent)
 
     def _ranks(self, before_from: int, change_ns: int) -> list[dict[str, Any]]:
@@ -391,6 +459,22 @@ class FailSlow:
 
     def summary(self) -> list[dict[str, Any]]:
         return [{k: v for k, v in e.items() if not k.startswith("_")} for e in self.events]
+
+
+def episodes(events: list[dict[str, Any]], end_ns: int) -> list[tuple[int, int, dict[str, Any]]]:
+    """The fail-slow episodes in ``events`` (in time order): (from its first change, to
+    the change that closed it or ``end_ns`` when still open, its first event)."""
+    out = []
+    opened: dict[str, Any] | None = None
+    for e in events:
+        if e["event"] == "fail_slow" and opened is None:
+            opened = e
+        elif e["event"] in EPISODE_CLOSES and opened is not None:
+            out.append((opened["t_mono_ns"], e["t_mono_ns"], opened))
+            opened = None
+    if opened is not None:
+        out.append((opened["t_mono_ns"], end_ns, opened))
+    return out
 
 
 def _mean(values: list[float]) -> float | None:

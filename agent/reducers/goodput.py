@@ -1,44 +1,66 @@
 """Where the job's GPU-hours went: a goodput ledger (docs/metrics.md, "Goodput").
 
-A session's wall time (its window: see ``Goodput.window_start``), to detach, times its
-ranks (a GPU each; on CPU the ranks), split into productive time and time lost by
-cause, each measured:
+A session's window (from ``Goodput.window_start`` to detach) times its ranks (a GPU
+each; on CPU the ranks) is split into what the agent saw and what it could not:
 
-- productive: every iteration at the job's healthy pace (the fail-slow baseline,
-  perfmon.agent.reducers.failslow): min(step, healthy) of each, and the job's first
-  iteration after its start-up;
-- startup: from the window's start (the process start, or the attach) to its first
-  iteration (less one healthy step), when the job was not iterating at attach;
-- hang: the time of the iterations that spanned a hang beyond a healthy step, and
-  after the last iteration when the session ended hung;
-- straggler: in a straggler episode, its delay per step (at most the excess);
-- slowdown: in a fail-slow episode (from its change to its recovery), the rest of
-  each step's excess over the healthy step; data_stall when the phase that moved most
-  was data loading;
-- restart (across sessions of one job: ``job``): from the previous session's end (its
-  ranks exited) to this one's first iteration, and the iterations the job redid (its
-  own counter went back), at the healthy pace;
-- unexplained: the rest (noise above the healthy pace, the tail after the last
-  iteration), so the ledger always adds up to the wall time.
+- unobserved (``unobserved_s``, outside the wall time and the ratio): the iteration
+  already running at attach, up to the first end the probes saw (the job's pace there
+  is not known), the iteration still running when the window closed (unless it is a
+  stall: below), and all of a session that saw no iteration;
+- the wall time, the rest, split into productive time and time lost by cause:
+  - productive: every iteration at the job's healthy pace (the fail-slow baseline,
+    perfmon.agent.reducers.failslow), its noise around that pace included;
+  - startup: from the window's start (the process start, or the attach) to its first
+    iteration (less one healthy step), when the job was not iterating then: its first
+    iteration ended a stall's length or more after the attach, or (the node service
+    and run) its process was younger at the attach than that;
+  - hang: stalls, wherever they sit (in the data loader, forward, backward or optimizer
+    step, between iterations, in the first or last iteration of the window): an
+    iteration that took its pace plus a stall (perfmon.agent.reducers.pace: at least
+    twice its pace, 0.25 s and 6 sigmas of the job's own step noise longer); the stall
+    is what it took beyond the pace, whether it recovered or not; the iteration still
+    running at the end, when it has run that long (or the session ended hung), likewise;
+  - data_stall: a stall whose hang record found the ranks loading data, and a fail-slow
+    episode whose phase that moved most was data loading;
+  - straggler: in a straggler episode, its delay per step (at most the excess);
+  - slowdown: in a fail-slow episode (from its change to the change that closed it),
+    the rest of the steps' excess over the healthy step;
+  - restart (across sessions of one job: ``job``): from the previous session's end
+    (its ranks exited) to this one's first iteration, and the iterations the job redid
+    (its own counter went back), at the healthy pace;
+  - unexplained: excess outside every episode beyond the noise: per second, what the
+    steps took over the healthy pace beyond max(MIN_SHIFT, BAND_SIGMAS x the job's
+    noise) of it (a short slowdown never confirmed, a stall shorter than a stall),
+    and the rounding of the bins' edges, so that the ledger adds up to the wall time.
 
-With no iteration seen at all, nothing of the session is known (the job was starting,
-or iterating where the agent could not see it): its time, from attach to detach, is
-``unobserved``, outside the wall time, and goodput (``ratio``) is unknown (None).
+The stall rule works on the steps themselves, not on the hang detector's records: a
+stall shorter than the hang threshold, or one whose record came after the job had
+resumed, is the same stall. Until the fail-slow baseline forms (its warm-up, seconds)
+the steps are held (at most EARLY_MAX) and judged once it has.
 
-Steps are kept as per-second bins (iterations, time, excess; the bins widen, two into
-one, past MAX_BINS), so a week-long session stays small and the episodes are laid
-over the bins at the end.
+Steps are kept as per-second bins (iterations, time, excess, stall; the bins widen, two
+into one, past MAX_BINS), so a week-long session stays small and the episodes are laid
+over the bins at the end; stalls are kept one by one (the last MAX_STALLS).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from perfmon.agent.reducers.failslow import episodes
+from perfmon.agent.reducers.pace import Pace
+
 CAUSES = ("startup", "hang", "restart", "straggler", "slowdown", "data_stall", "unexplained")
 MAX_BINS = 4096
-FROM_START_STEPS = 2  # the first iteration ended this many healthy steps after attach
+MIN_SHIFT = 0.03  # outside episodes, excess within this share of the pace is noise,
+BAND_SIGMAS = 3.0  # ... or within this many sigmas of a second's steps
+MAX_STALLS = 4096
+EARLY_MAX = 20_000  # steps held until the healthy pace is known
 
 
 @dataclass
@@ -46,15 +68,29 @@ class _Bin:
     start_ns: int
     iterations: int = 0
     step_ns: int = 0
-    excess_ns: int = 0  # over the healthy step, outside hangs
-    hang_ns: int = 0  # of the iterations that spanned a hang
+    excess_ns: int = 0  # what the steps took over the healthy step, stalls left out (signed)
+    stall_ns: int = 0
+    healthy_ns: float = 0.0  # the healthy steps they stand for (the band's scale)
+    noise_sq: float = 0.0  # the variance of the steps' sum (ns^2)
+
+    def band_ns(self) -> float:
+        """The excess that is the job's own noise (outside episodes)."""
+        return max(MIN_SHIFT * self.healthy_ns, BAND_SIGMAS * math.sqrt(self.noise_sq))
+
+
+@dataclass(frozen=True)
+class _Stall:
+    start_ns: int
+    end_ns: int  # (the session's end: still stalled)
+    lost_ns: int
 
 
 @dataclass
 class Ledger:
     """Seconds of one rank (of ``gpus``) by what they went to; productive + lost = wall.
-    ``unobserved_s``: time of sessions that saw no iteration, outside the wall time (the
-    ratio is over the time the ledger knows of)."""
+    ``unobserved_s``: time the agent could not see (before the first iteration it
+    measured, after the window closed mid-iteration, sessions that saw no iteration),
+    outside the wall time (the ratio is over the time the ledger knows of)."""
 
     wall_s: float = 0.0
     productive_s: float = 0.0
@@ -96,6 +132,62 @@ class Ledger:
                    float(unobserved) if isinstance(unobserved, int | float) else 0.0)
 
 
+class _Account:
+    """Judged steps: per-second bins, the stalls one by one, the pace they were judged at."""
+
+    def __init__(self, origin_ns: int) -> None:
+        self.origin_ns = origin_ns
+        self.width_ns = 1_000_000_000
+        self.bins: dict[int, _Bin] = {}
+        self.pace = Pace()
+        self.stalls: deque[_Stall] = deque(maxlen=MAX_STALLS)
+        self.stalls_dropped_ns = 0  # (of stalls no longer kept one by one: hang)
+
+    def take(self, end_ns: int, step_ns: int, healthy_ns: float) -> None:
+        at_pace, stall = self.pace.take(step_ns)
+        b = self._bin(end_ns)
+        b.iterations += 1
+        b.step_ns += step_ns
+        b.stall_ns += stall
+        b.excess_ns += int(step_ns - stall - healthy_ns)
+        b.healthy_ns += healthy_ns
+        b.noise_sq += (self.pace.sigma * at_pace) ** 2
+        if stall:
+            if len(self.stalls) == MAX_STALLS:
+                self.stalls_dropped_ns += self.stalls[0].lost_ns
+            self.stalls.append(_Stall(end_ns - step_ns, end_ns, stall))
+
+    def take_held(self, held: list[tuple[int, int]], healthy_ns: float) -> None:
+        """Steps held before the healthy pace was known, judged against their own pace."""
+        self.pace.seed([s for _, s in held])
+        for end, step in held:
+            self.take(end, step, healthy_ns)
+
+    def _bin(self, t_ns: int) -> _Bin:
+        key = (t_ns - self.origin_ns) // self.width_ns
+        b = self.bins.get(key)
+        if b is None:
+            if len(self.bins) >= MAX_BINS:
+                self._widen()
+                return self._bin(t_ns)
+            b = self.bins[key] = _Bin(self.origin_ns + key * self.width_ns)
+        return b
+
+    def _widen(self) -> None:
+        """Two bins into one: the bins cover a longer time, as coarse."""
+        self.width_ns *= 2
+        merged: dict[int, _Bin] = {}
+        for key, b in sorted(self.bins.items()):
+            into = merged.setdefault(key // 2, _Bin(self.origin_ns + key // 2 * self.width_ns))
+            into.iterations += b.iterations
+            into.step_ns += b.step_ns
+            into.excess_ns += b.excess_ns
+            into.stall_ns += b.stall_ns
+            into.healthy_ns += b.healthy_ns
+            into.noise_sq += b.noise_sq
+        self.bins = merged
+
+
 class Goodput:
     """Feed the primary's iterations (``on_iteration``), its first end (``on_first_end``)
     and hangs; ``summary`` lays the episodes over them.
@@ -115,10 +207,9 @@ class Goodput:
         self.first_end_ns: int | None = None
         self.last_end_ns: int | None = None
         self.healthy_ns: float | None = None  # the latest healthy step seen
-        self._width_ns = 1_000_000_000
-        self._bins: dict[int, _Bin] = {}
-        self._hang_from_ns: int | None = None  # an open hang's last iteration
-        self._last = (0, 0, 0)  # the latest iteration: start, end, excess (ns)
+        self._account = _Account(attach_ns)
+        self._held: list[tuple[int, int]] = []  # (end, step) before the healthy pace
+        self._hangs: deque[tuple[int, str | None]] = deque(maxlen=MAX_STALLS)  # since, phase
 
     # -- feeding ---------------------------------------------------------------------------
 
@@ -127,115 +218,122 @@ class Goodput:
 
     def on_iteration(self, end_ns: int, step_ns: int, healthy_ns: float | None) -> None:
         """One measured iteration of the primary; ``healthy_ns``: the job's healthy step
-        now (None before the fail-slow baseline formed: all of it is productive)."""
+        now (None before the fail-slow baseline formed: the steps wait for it)."""
+        self.last_end_ns = end_ns
         if healthy_ns is not None:
             self.healthy_ns = healthy_ns
-        b = self._bin(end_ns)
-        b.iterations += 1
-        b.step_ns += step_ns
-        excess = max(0, int(step_ns - healthy_ns)) if healthy_ns is not None else 0
-        if self._hang_from_ns is not None and end_ns - step_ns <= self._hang_from_ns:
-            b.hang_ns += excess  # (the iteration that was hung: its excess is the hang's)
-        else:
-            b.excess_ns += excess
-        self._hang_from_ns = None
-        self._last = (end_ns - step_ns, end_ns, excess)
-        self.last_end_ns = end_ns
+        if self.healthy_ns is None:
+            self._held.append((end_ns, step_ns))
+            if len(self._held) < EARLY_MAX:
+                return
+            # (a pace that never settles: the held steps' own median is the healthy one)
+            self.healthy_ns = _median_step(self._held)
+        if self._held:
+            self._account.take_held(self._held, self.healthy_ns)
+            self._held = []
+        self._account.take(end_ns, step_ns, self.healthy_ns)
 
     def on_hang(self, record: dict[str, Any]) -> None:
-        """A hang since ``last_iteration_mono_ns``: the iteration that ends it is the hang's
-        (the record comes once the ranks' stacks are in: the job may have resumed by then)."""
-        since = record["last_iteration_mono_ns"]
-        start, end, excess = self._last
-        if start <= since < end:  # (resumed already: its excess was taken for noise)
-            b = self._bin(end)
-            b.excess_ns -= excess
-            b.hang_ns += excess
-        else:
-            self._hang_from_ns = since
-
-    def _bin(self, t_ns: int) -> _Bin:
-        key = (t_ns - self.attach_ns) // self._width_ns
-        b = self._bins.get(key)
-        if b is None:
-            if len(self._bins) >= MAX_BINS:
-                self._widen()
-                return self._bin(t_ns)
-            b = self._bins[key] = _Bin(self.attach_ns + key * self._width_ns)
-        return b
-
-    def _widen(self) -> None:
-        """Two bins into one: the bins cover a longer time, as coarse."""
-        self._width_ns *= 2
-        merged: dict[int, _Bin] = {}
-        for key, b in sorted(self._bins.items()):
-            into = merged.setdefault(key // 2, _Bin(self.attach_ns + key // 2 * self._width_ns))
-            into.iterations += b.iterations
-            into.step_ns += b.step_ns
-            into.excess_ns += b.excess_ns
-            into.hang_ns += b.hang_ns
-        self._bins = merged
+        """A hang since ``last_iteration_mono_ns``: the stall that holds it is a data stall
+        when its ranks were loading data (the record's ``phase``), else a hang."""
+        self._hangs.append((record["last_iteration_mono_ns"], record.get("phase")))
 
     # -- the ledger --------------------------------------------------------------------------
 
     def summary(self, end_ns: int, fail_slow: list[dict[str, Any]],
                 stragglers: Iterable[dict[str, Any]], hung: bool,
-                first_job_iteration: int | None = None) -> dict[str, Any]:
+                first_job_iteration: int | None = None, *, exited: bool = False
+                ) -> dict[str, Any]:
         """final_statistics.goodput at ``end_ns``: the session's ledger, and with earlier
         sessions of the job (``previous``), the job's as ``job`` (``first_job_iteration``:
-        the job's own number of this session's first iteration, to count those redone)."""
-        ledger, window_start = self._session(end_ns, fail_slow, list(stragglers), hung)
+        the job's own number of this session's first iteration, to count those redone).
+        ``exited``: the session ended as its ranks exited (the time after their last
+        iteration was their end, not a stall: unobserved; a next session of the job
+        counts it as the restart's)."""
+        ledger, window_start, healthy_ns = self._session(end_ns, fail_slow, list(stragglers),
+                                                         hung, exited)
         out = {**ledger.to_dict(), "from": _window_from(window_start, self.attach_ns,
                                                         self.process_start_ns),
                "last_end_mono_ns": self.last_end_ns}
         if self.previous is not None:
-            out["job"] = self._job(ledger, window_start, first_job_iteration).to_dict()
+            out["job"] = self._job(ledger, window_start, first_job_iteration,
+                                   healthy_ns).to_dict()
         return out
 
     def _session(self, end_ns: int, fail_slow: list[dict[str, Any]],
-                 stragglers: list[dict[str, Any]], hung: bool) -> tuple[Ledger, int]:
-        healthy = self.healthy_ns or 0.0
+                 stragglers: list[dict[str, Any]], hung: bool,
+                 exited: bool) -> tuple[Ledger, int, float]:
+        """The session's ledger, where its window starts, the healthy step it used."""
         ledger = Ledger(gpus=self.gpus)
         if self.first_end_ns is None:  # (no iteration seen: starting, or unseen; not known)
             ledger.unobserved_s = max(0, end_ns - self.attach_ns) / 1e9
-            return ledger, self.attach_ns
-        # Not iterating at attach: its first iteration ended a couple of healthy steps
-        # after it (else that iteration was running at attach).
-        started = self.first_end_ns - self.attach_ns > FROM_START_STEPS * healthy > 0
-        start = self.window_start() if started else self.attach_ns
-        ledger.wall_s = max(0, end_ns - start) / 1e9
+            return ledger, self.attach_ns, 0.0
+        account, healthy = self._account, self.healthy_ns
+        if self._held:  # (the healthy pace not known yet: the held steps' median, for now)
+            healthy = _median_step(self._held)
+            account = _Account(self.attach_ns)
+            account.take_held(self._held, healthy)
+        healthy = healthy or 0.0  # (one end seen, no step: the pace not known)
+        pace, stalls = account.pace, list(account.stalls)
         lost = ledger.lost_s
-        productive_ns: float
+        # The lead, to the first end: the job starting (not iterating at the attach: its
+        # first end came a stall's length or more after it, or, found by the node service
+        # or run, its process is younger at the attach than the lead), else the iteration
+        # that was running at the attach, not seen.
+        lead = self.first_end_ns - self.attach_ns
+        young = (not self.attach_only and self.process_start_ns is not None
+                 and self.attach_ns - self.process_start_ns < lead)
+        started = young or lead - healthy >= pace.stall_ns(healthy)
+        start = self.window_start() if started else self.attach_ns
+        productive_ns = 0.0
+        unobserved_ns = 0.0
         if started:
             productive_ns = min(healthy, self.first_end_ns - start)
             lost["startup"] = (self.first_end_ns - start - productive_ns) / 1e9
         else:
-            productive_ns = self.first_end_ns - start  # (the iteration running at attach)
-        slow = _episodes(fail_slow, end_ns)
-        for b in self._bins.values():
-            lost["hang"] += b.hang_ns / 1e9
-            productive_ns += b.step_ns - b.excess_ns - b.hang_ns
-            excess = float(b.excess_ns)
-            b_end = b.start_ns + self._width_ns
+            unobserved_ns += lead
+        # The tail, from the last end: a stall when it has run that long (or the session
+        # ended hung), else the iteration still running (or the ranks' end), not seen.
+        last = self.last_end_ns or self.first_end_ns
+        tail = max(0, end_ns - last)
+        at_pace = pace.ns or healthy
+        if tail and (hung or (not exited and tail - at_pace >= pace.stall_ns(at_pace))):
+            stalls.append(_Stall(last, end_ns, int(tail - min(tail, at_pace))))
+            unobserved_ns += min(tail, at_pace)
+        else:
+            unobserved_ns += tail
+        for stall in stalls:
+            data = any(stall.start_ns <= since < stall.end_ns or since == stall.start_ns
+                       for since, phase in self._hangs if phase == "data_loading")
+            lost["data_stall" if data else "hang"] += stall.lost_ns / 1e9
+        lost["hang"] += account.stalls_dropped_ns / 1e9
+        slow = [(a, z, "data_stall" if _top_phase(e) == "data_loading" else "slowdown")
+                for a, z, e in episodes(fail_slow, end_ns)]
+        for b in account.bins.values():
+            productive_ns += b.step_ns - b.stall_ns
+            b_end = b.start_ns + account.width_ns
             delay = max((e["delay_ms_per_step"] * 1e6 for e in stragglers
                          if e["since_mono_ns"] < b_end
                          and (e["until_mono_ns"] or end_ns) >= b.start_ns), default=0.0)
+            excess = max(0.0, float(b.excess_ns))
             straggling = min(excess, delay * b.iterations)
             lost["straggler"] += straggling / 1e9
             excess -= straggling
-            for a, z, cause in slow:
-                if a < b_end and z > b.start_ns:
-                    lost[cause] += excess / 1e9
-                    excess = 0.0
-                    break
-            lost["unexplained"] += excess / 1e9
-        tail = max(0, end_ns - (self.last_end_ns or end_ns)) / 1e9
-        lost["hang" if hung else "unexplained"] += tail
+            cause = next((c for a, z, c in slow if a < b_end and z > b.start_ns), None)
+            if cause is None:  # (outside every episode: beyond the noise only)
+                excess = max(0.0, excess - b.band_ns())
+            lost[cause or "unexplained"] += excess / 1e9
+            productive_ns -= straggling + excess
+        ledger.wall_s = max(0, end_ns - start - unobserved_ns) / 1e9
+        ledger.unobserved_s = unobserved_ns / 1e9
         ledger.productive_s = productive_ns / 1e9
         # (what the bins do not hold: the rounding of their edges, into the rest)
-        lost["unexplained"] += ledger.wall_s - ledger.productive_s - sum(lost.values())
-        lost["unexplained"] = max(0.0, lost["unexplained"])
-        return ledger, start
+        rest = ledger.wall_s - ledger.productive_s - sum(lost.values())
+        if rest >= 0:
+            lost["unexplained"] += rest
+        else:
+            ledger.productive_s = max(0.0, ledger.productive_s + rest)
+        return ledger, start, healthy
 
     def window_start(self) -> int:
         """Where the window of a job not iterating at attach starts: the primary's process
@@ -250,7 +348,8 @@ class Goodput:
             start = max(start, int(self.previous["end_mono_ns"]))
         return min(start, self.attach_ns)
 
-    def _job(self, session: Ledger, window_start: int, first: int | None) -> Ledger:
+    def _job(self, session: Ledger, window_start: int, first: int | None,
+             healthy_ns: float) -> Ledger:
         """The job's ledger: its earlier sessions', then the restart (from the previous
         session's end to this one's first iteration, and the iterations redone), then
         this session's."""
@@ -265,15 +364,20 @@ class Goodput:
         here.lost_s["restart"] += gap_s + here.lost_s["startup"]
         here.lost_s["startup"] = 0.0
         # The previous session's time after its last iteration (a rank failed, the
-        # others were stopped) was the restart's too: the earlier ledger said unexplained.
+        # others were stopped) was the restart's too: the earlier ledger could not tell
+        # (unobserved: an iteration running; a ledger of before that was kept: unexplained).
         last_end = self.previous.get("last_end_mono_ns")
         if isinstance(last_end, int) and last_end <= end_ns:
-            tail_s = min((end_ns - last_end) / 1e9, job.lost_s["unexplained"])
-            job.lost_s["unexplained"] -= tail_s
-            here.lost_s["restart"] += tail_s
+            tail_s = (end_ns - last_end) / 1e9
+            unseen_s = min(tail_s, job.unobserved_s)
+            job.unobserved_s -= unseen_s
+            job.wall_s += unseen_s
+            rest_s = min(tail_s - unseen_s, job.lost_s["unexplained"])
+            job.lost_s["unexplained"] -= rest_s
+            here.lost_s["restart"] += unseen_s + rest_s
         last = self.previous.get("last_job_iteration")
-        if isinstance(last, int) and first is not None and first <= last and self.healthy_ns:
-            redone_s = min(here.productive_s, (last - first + 1) * self.healthy_ns / 1e9)
+        if isinstance(last, int) and first is not None and first <= last and healthy_ns:
+            redone_s = min(here.productive_s, (last - first + 1) * healthy_ns / 1e9)
             here.productive_s -= redone_s
             here.lost_s["restart"] += redone_s
         job.add(here)
@@ -313,26 +417,18 @@ def combined(ledgers: list[Ledger]) -> Ledger | None:
     return out
 
 
+def _median_step(steps: list[tuple[int, int]]) -> float:
+    return float(statistics.median(s for _, s in steps))
+
+
+def _top_phase(event: dict[str, Any]) -> str | None:
+    """The phase that moved most in a fail-slow event (None: not known)."""
+    phases = event.get("phases") or []
+    return phases[0]["phase"] if phases else None
+
+
 def _window_from(start: int, attach_ns: int, process_start_ns: int | None) -> str:
     """``from``: what the window starts at."""
     if start == attach_ns:
         return "attach"
     return "process_start" if start == process_start_ns else "previous_session"
-
-
-def _episodes(events: list[dict[str, Any]], end_ns: int) -> list[tuple[int, int, str]]:
-    """The fail-slow episodes: (from its change, to its recovery's change or ``end_ns``,
-    its cause: data_stall when data loading moved most, else slowdown)."""
-    out = []
-    open_at: tuple[int, str] | None = None
-    for e in events:
-        if e["event"] == "fail_slow" and open_at is None:
-            phases = e.get("phases") or []
-            top = phases[0]["phase"] if phases else None
-            open_at = (e["t_mono_ns"], "data_stall" if top == "data_loading" else "slowdown")
-        elif e["event"] == "recovered" and open_at is not None:
-            out.append((open_at[0], e["t_mono_ns"], open_at[1]))
-            open_at = None
-    if open_at is not None:
-        out.append((open_at[0], end_ns, open_at[1]))
-    return out

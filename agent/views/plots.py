@@ -127,7 +127,7 @@ def _mark_events(ax: Axes, run: Run, axis: _Axis) -> None:
     for event in run.stats.get("fail_slow") or []:
         if not isinstance(event, dict) or not isinstance(event.get("t_mono_ns"), int):
             continue
-        slow = event.get("event") == "fail_slow"
+        slow = event.get("event") in ("fail_slow", "eased")  # (the episode still open)
         ax.axvline(axis.x(event["t_mono_ns"]), color="#8c564b" if slow else "#2ca02c", lw=1,
                    ls="--", label=("fail-slow" if slow else "recovered")
                    if ("fail-slow" if slow else "recovered") not in labelled else None)
