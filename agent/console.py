@@ -123,6 +123,26 @@ def _quality_row(stats: dict[str, Any]) -> str:
     return f"{len(losses)} loss(es): see the warnings" if losses else "nothing missed"
 
 
+def _goodput_row(stats: dict[str, Any]) -> str:
+    """The session's goodput, its largest losses, and what it did not see."""
+    ledger = stats.get("goodput")
+    if not isinstance(ledger, dict):
+        return "-"
+    lost = ledger.get("lost_seconds")
+    lost = lost if isinstance(lost, dict) else {}
+    top = sorted(((s, c) for c, s in lost.items() if isinstance(s, int | float) and s >= 0.05),
+                 reverse=True)[:3]
+    unseen = ledger.get("unobserved_seconds")
+    ratio = ledger.get("ratio")
+    text = (f"{ratio:.1%} of {fmt(ledger.get('wall_seconds'), '.1f', ' s')}"
+            if isinstance(ratio, int | float) else "unknown (no iteration seen)")
+    if top:
+        text += " (lost: " + ", ".join(f"{c} {s:.1f} s" for s, c in top) + ")"
+    if isinstance(unseen, int | float) and unseen > 0:
+        text += f"; {unseen:.1f} s not seen"
+    return text
+
+
 def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -> None:
     """The end table. Every figure may be unknown (a summary rebuilt from a log anyone
     may have written is kept to its schema: what is not becomes None)."""
@@ -145,6 +165,7 @@ def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -
         ("model source", str((info.get("model") or {}).get("source") or "none")),
         ("iterations from", str(stats.get("iteration_estimator") or "-")),
         ("data quality", _quality_row(stats)),
+        ("goodput", _goodput_row(stats)),
         ("ended", str(info.get("end_reason"))),
     ]
     for name, value in rows:

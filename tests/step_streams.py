@@ -359,10 +359,11 @@ def _check_stalls(case: Case, fed: Fed, lost: dict[str, float], errors: Errors) 
         # (a stall in the last iteration: where in it the stall sits is not seen)
         slack = max(0.05 * stall, noise_ns + (h if tail else 0))
         cause = "data_stall" if start in data_since else "hang"
-        if stall >= floor * (1 + 3 * case.noise) + noise_ns + (h if tail else 0):
+        # (the rule's floor, give or take the noise and 1% of it: a case on the floor)
+        if stall >= floor * (1.01 + 3 * case.noise) + noise_ns + (h if tail else 0):
             want[cause] += stall
             bound += slack
-        elif stall > floor * (1 - 3 * case.noise) - noise_ns - (h if tail else 0):
+        elif stall > floor * (0.99 - 3 * case.noise) - noise_ns - (h if tail else 0):
             want[cause] += stall / 2  # (either: half way, the bound both ways)
             bound += stall / 2 + slack
     for cause in ("hang", "data_stall"):

@@ -1,24 +1,29 @@
-"""The goodput ledger on real jobs, each started by `perfmon-agent run` (so the ledger
-starts at the job's process start): a healthy job, one that hangs for 20 s, one whose
-forward is slower by half for 30 s (the three side by side: they stand for GPU jobs,
-tests/targets/train_gpt.py --device-ms, and barely use the CPU), and a torchrun job
-whose rank is killed and restarted (--max-restarts) from its last checkpoint. Each
-ledger adds up to the wall time, and each cause's seconds are what the job's own clock
-says was lost. And `attach` to jobs already running (so the ledger starts at the
-attach): one that makes no iteration while attached (unobserved), and one stalled at
-attach (its start-up counted from the attach, not from its process start)."""
+"""The goodput ledger and fail-slow on real jobs, side by side (they stand for GPU
+jobs, tests/targets/train_gpt.py --device-ms, and barely use the CPU). Started by
+`perfmon-agent run` (the ledger from the job's process start): a healthy job; one that
+stalls 25 s between two iterations and one that stalls 25 s inside a backward; one
+whose step is 60% longer for 40 s and then runs 4% above its old pace (its metrics
+scraped as it runs). Attached with `attach` for 40 s to a healthy job already running.
+A torchrun job whose rank is killed and restarted (--max-restarts) from its last
+checkpoint. Each ledger adds up to the wall time, and each cause's seconds are what
+the job's own clock says was lost. And `attach` to jobs already running (so the
+ledger starts at the attach): one that makes no iteration while attached (unobserved),
+and one stalled at attach (its start-up counted from the attach, not from its
+process start)."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +40,13 @@ from tests.conftest import (
     load_summary,
     wait_for,
 )
+from tests.prom import free_port, get
 from tests.test_trace import _load as trace_events
 
-HANG_AT, HANG_S = 100, 20.0
-SLOW = (20, 50, 0.5)  # seconds after training started, and by how much of the step
+HANG_AT, HANG_S = 100, 25.0
+# Seconds after training started: 60% longer for 40 s, then 4% above the old pace.
+SLOW = (20, 60, 0.6, 0.04)
+ATTACH_S = 40
 
 
 @dataclass
@@ -47,6 +55,8 @@ class Done:
     stamps: Target
     process_start_ns: int  # the job's process start (CLOCK_MONOTONIC), from psutil
     summary_folder: Path
+    gauge: list[tuple[int, float]] = field(default_factory=list)  # (when, fail_slow_active)
+    stdout: str = ""
 
     @property
     def goodput(self) -> dict[str, Any]:
@@ -101,34 +111,73 @@ def _adds_up(ledger: dict[str, Any]) -> None:
     assert total == pytest.approx(ledger["wall_seconds"], rel=0.01), ledger
 
 
+class _Gauge(threading.Thread):
+    """perfmon_fail_slow_active as Prometheus would scrape it, once a second."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.samples = f"http://127.0.0.1:{port}/metrics", []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            try:
+                text = get(self.url)
+            except OSError:
+                continue
+            found = re.search(r"^perfmon_fail_slow_active\{[^}]*\} (\S+)$", text, re.M)
+            if found:
+                self.samples.append((time.monotonic_ns(), float(found.group(1))))
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Done]]:
     if (reason := ebpf_missing()) is not None:
         pytest.fail(f"eBPF uprobes cannot run: {reason}")
+    hang = ("--train-iters", "300", "--stall-at", str(HANG_AT), "--stall-for", str(HANG_S))
     scenarios = {
         "healthy": ("--train-iters", "300"),
-        "hang": ("--train-iters", "300", "--stall-at", str(HANG_AT), "--stall-for", str(HANG_S)),
-        "slowed": ("--train-iters", "500", "--slow-ranks", "all", "--slow-wait",
-                   "--slow-schedule", f"{SLOW[0]}-{SLOW[1]}:{SLOW[2]}"),
+        "hang": hang,
+        "hang_backward": (*hang, "--stall-in", "backward"),
+        "slowed": ("--train-iters", "640", "--slow-ranks", "all", "--slow-wait",
+                   "--slow-schedule", f"{SLOW[0]}-{SLOW[1]}:{SLOW[2]},{SLOW[1]}-9999:{SLOW[3]}"),
     }
-    agent, runs, done = Agent(), {}, {}
+    port = free_port()
+    agent, runs, done, gauge = Agent(), {}, {}, _Gauge(port)
+    attached: subprocess.Popen | None = None
     try:
         for name, args in scenarios.items():
             folder = tmp_path_factory.mktemp(name)
             stamps = folder / "stamps.txt"
-            proc = agent.start("run", "--output-dir", str(folder), "--metrics-address", "off",
+            metrics = f"127.0.0.1:{port}" if name == "slowed" else "off"
+            proc = agent.start("run", "--output-dir", str(folder), "--metrics-address", metrics,
                                "--hang-timeout", "5", "--", sys.executable, str(TRAIN_GPT),
                                *DEVICE_JOB, "--timestamps", str(stamps), *args)
             runs[name] = (proc, folder, stamps, _mono_start(_job_pid(proc.pid)))
+        gauge.start()
+        # A healthy job already running, attached for ATTACH_S.
+        folder = tmp_path_factory.mktemp("attached")
+        stamps = folder / "stamps.txt"
+        attached = subprocess.Popen([sys.executable, str(TRAIN_GPT), *DEVICE_JOB,
+                                     "--timestamps", str(stamps)], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+        job = Target(attached, stamps)
+        job.wait_for_iterations(10)
+        proc = agent.start("attach", "--pid", str(attached.pid), "--duration", str(ATTACH_S),
+                           "--output-dir", str(folder))
+        runs["attached"] = (proc, folder, stamps, _mono_start(attached.pid))
         for name, (proc, folder, stamps, start_ns) in runs.items():
-            _, stderr = proc.communicate(timeout=240)
+            stdout, stderr = proc.communicate(timeout=240)
             assert proc.returncode == 0, stderr
             (path,) = folder.glob("perf_summary_*.json")
             done[name] = Done(json.loads(path.read_text()), Target(proc, stamps), start_ns,
-                              folder)
+                              folder, stdout=stdout)
+        gauge.stop.set()
+        done["slowed"].gauge = gauge.samples
         yield done
     finally:
-        for proc in agent.procs:
+        gauge.stop.set()
+        for proc in [*agent.procs, *([attached] if attached else [])]:
             _reap(proc)
 
 
@@ -143,23 +192,52 @@ def test_a_healthy_jobs_ledger_is_its_start_up_and_its_iterations(jobs: dict[str
     assert ledger["lost_seconds"]["startup"] == pytest.approx(startup_s, rel=0.1, abs=0.3)
     after = ledger["productive_seconds"] / (ledger["wall_seconds"]
                                            - ledger["lost_seconds"]["startup"])
-    assert after >= 0.95, ledger
+    assert after >= 0.98, ledger
     lost = {c: s for c, s in ledger["lost_seconds"].items() if c not in ("startup",
                                                                           "unexplained")}
     assert all(s == 0 for s in lost.values()), ledger
 
 
-def test_a_20s_hang_is_20s_of_hang(jobs: dict[str, Done]) -> None:
-    run = jobs["hang"]
+def test_a_healthy_job_attached_for_40s_loses_nothing_and_says_what_it_did_not_see(
+        jobs: dict[str, Done]) -> None:
+    # (issue 38: ratio 0.919, 3.2 s unexplained: its noise and the window's edges)
+    run = jobs["attached"]
+    ledger, info = run.goodput, run.summary["session_info"]
+    _adds_up(ledger)
+    assert ledger["from"] == "attach" and ledger["ratio"] >= 0.98, ledger
+    # Not seen: the iteration running at the attach, up to the first end; and the one
+    # running when the window closed (by the job's own clock, less than a step each).
+    attach, detach = info["attach_monotonic_ns"], info["detach_monotonic_ns"]
+    ends = [t for _, t in run.stamps.timestamps()]
+    first = min(t for t in ends if t > attach)
+    last = max(t for t in ends if t <= detach)
+    assert ledger["unobserved_seconds"] == pytest.approx(
+        (first - attach + detach - last) / 1e9, abs=0.05), ledger
+    assert ledger["wall_seconds"] == pytest.approx((last - first) / 1e9, abs=0.05)
+    assert 0 < ledger["unobserved_seconds"] < 2 * run.healthy_ns() / 1e9
+    # (and the end table says both)
+    row = next(line for line in run.stdout.splitlines() if "goodput" in line)
+    assert f"{ledger['ratio']:.1%}" in row and "not seen" in row, run.stdout
+
+
+@pytest.mark.parametrize("where", ["hang", "hang_backward"])
+def test_a_25s_stall_between_iterations_or_inside_a_backward_is_25s_of_hang(
+        jobs: dict[str, Done], where: str) -> None:
+    run = jobs[where]
     ledger = run.goodput
     _adds_up(ledger)
-    # The job's own clock: its hung iteration's step beyond a healthy one.
-    hung = max(s for _, s in run.steps())
-    assert ledger["lost_seconds"]["hang"] == pytest.approx((hung - run.healthy_ns()) / 1e9,
-                                                           rel=0.1)
-    assert ledger["lost_seconds"]["hang"] == pytest.approx(HANG_S, rel=0.1)
-    assert run.summary["final_statistics"]["hangs"], "the hang was reported"
+    # The job's own clock: its stalled iteration's step beyond a healthy one, within 5%.
+    stalled = max(s for _, s in run.steps())
+    assert ledger["lost_seconds"]["hang"] == pytest.approx((stalled - run.healthy_ns()) / 1e9,
+                                                           rel=0.05), ledger
+    assert ledger["lost_seconds"]["hang"] == pytest.approx(HANG_S, rel=0.05)
+    hangs = run.summary["final_statistics"]["hangs"]
+    assert hangs, "the hang was reported"
     bundle = incident(run.summary_folder, "hang")
+    # Every rank involved, with its pid and rank (none: a job of one process).
+    record = json.loads((bundle / "incident.json").read_text())
+    assert record["ranks"] == [{"pid": run.summary["session_info"]["primary_pid"],
+                                "rank": None}], record
     # `perfmon-agent incidents` lists it.
     listed = subprocess.run([sys.executable, "-m", "perfmon.agent.cli", "incidents",
                              str(run.summary_folder), "--json"], capture_output=True,
@@ -170,17 +248,38 @@ def test_a_20s_hang_is_20s_of_hang(jobs: dict[str, Done]) -> None:
     assert found["folder"] == str(bundle)
 
 
-def test_a_forward_slower_by_half_for_30s_is_its_excess_as_a_slowdown(
+def test_a_60pct_slowdown_back_4pct_above_closes_its_episode_and_is_its_excess(
         jobs: dict[str, Done]) -> None:
     run = jobs["slowed"]
     ledger = run.goodput
     _adds_up(ledger)
-    # What the slower forward added, by the job's own clock: each step's excess over the
-    # healthy step, in the steps that ended inside the slowdown (and one past it).
-    healthy = statistics.median(s for _, s in run.steps()[:100])
-    excess = [s - healthy for _, s in run.steps() if s > 1.25 * healthy]
+    steps = run.steps()
+    healthy = statistics.median(s for _, s in steps[:100])
+    slow_ends = [t for t, s in steps if s > 1.3 * healthy]
+    began_ns, fell_ns = slow_ends[0], slow_ends[-1]  # (by the job's own clock)
+    events = run.summary["final_statistics"]["fail_slow"]
+    rise = [e for e in events if e["event"] == "fail_slow"
+            and abs(e["t_mono_ns"] - began_ns) < 5e9]
+    assert rise, events
+    # The fall is news within 15 s, and the episode closes: recovered, or recovered
+    # partly (4% above the old pace), saying where the job runs against its baseline.
+    closing = [e for e in events if e["event"] in ("recovered", "recovered_partly")
+               and abs(e["t_mono_ns"] - fell_ns) < 5e9]
+    assert closing, events
+    assert (closing[0]["detected_mono_ns"] - fell_ns) / 1e9 <= 15, closing[0]
+    assert events[-1]["event"] in ("recovered", "recovered_partly"), events
+    # The Prometheus gauge: 1 in the episode, 0 again once the fall was found (the
+    # figures follow the summary, written as the iteration_logs entries complete).
+    found_ns, rise_ns = closing[0]["detected_mono_ns"], rise[0]["detected_mono_ns"]
+    seen = [(round((t - rise_ns) / 1e9, 1), v) for t, v in run.gauge]
+    during = [v for t, v in run.gauge if rise_ns + 5e9 < t < fell_ns]
+    after = [v for t, v in run.gauge if t > found_ns + 5e9]
+    assert during and set(during) == {1.0}, (seen, (fell_ns - rise_ns) / 1e9)
+    assert after and set(after) == {0.0}, (seen, (found_ns - rise_ns) / 1e9)
+    # The ledger: each slow step's excess over the healthy step, as a slowdown.
+    excess = [s - healthy for t, s in steps if began_ns <= t <= fell_ns]
     injected_s = sum(excess) / 1e9
-    assert 8 <= injected_s <= 12  # (~30 s at half again the step: a third of it, 10 s)
+    assert 12 <= injected_s <= 18  # (~40 s at 1.6 times the step: 15 s of it)
     assert ledger["lost_seconds"]["slowdown"] == pytest.approx(injected_s, rel=0.1), ledger
     incident(run.summary_folder, "fail_slow")
 

@@ -99,7 +99,7 @@ JOB_GAUGES: dict[str, tuple[str, str]] = {
     "fail_slow_active": (
         "perfmon_fail_slow_active",
         "1 while the job's step time is in a fail-slow episode (a sustained rise not yet "
-        "recovered), else 0."),
+        "recovered, fully or partly), else 0."),
 }
 
 # perfmon_job_info's labels from the schedulers ("" where none): the Slurm job id, the

@@ -52,6 +52,11 @@ def rank_map(facts: dict[str, Any]) -> dict[int, int | None]:
             if isinstance(pid, int)}
 
 
+# Sessions that ended with their ranks (they exited, or moved to other processes): the
+# time after the last iteration was their end, not a stall (goodput).
+ENDED_WITH_THE_RANKS = frozenset({"target_exited", "command_exited", "ranks_changed"})
+
+
 class Summarizer:
     """Feed records (``feed``); read the iteration logs and the final statistics.
 
@@ -288,7 +293,7 @@ class Summarizer:
                                       self.failslow.summary(), self.ranks.stragglers(),
                                       self.hangs.hung,
                                       1 + offset if offset is not None else None,
-                                      exited=self.end_reason == "target_exited")
+                                      exited=self.end_reason in ENDED_WITH_THE_RANKS)
         # (the job's own number of its last iteration: a next session, after a restart,
         # counts the iterations redone from it)
         ledger["last_job_iteration"] = (self.clock.iterations_ended + offset

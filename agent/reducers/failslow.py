@@ -39,10 +39,11 @@ time, against a level that follows the job and a baseline, its healthy pace
   baseline though the sums never confirmed a step (a creep), that is a
   ``fail_slow`` event too. Any rise whose last block at or below the baseline (or,
   after a recovery, within d / 4 of the pace it came back to) lies more than 20 s
-  before its change point is marked ``drift`` and dated from there. Slow, every block of the last 10 s back within d of the baseline (their
-  median nearer it than the slow level) is a ``recovered`` event whatever the sums
-  say: an episode measured over a short spike, or a fall smaller than d, never stays
-  open on a job back at its pace.
+  before its change point is marked ``drift`` and dated from there.
+- Return: slow, every block of the last 10 s back within d of the baseline (their
+  median nearer it than the level the last event found) is a ``recovered`` event
+  whatever the sums say: an episode measured over a short spike, or a fall smaller
+  than d, never stays open on a job back at its pace.
 - Healthy, a confirmed rise is a ``fail_slow`` event (before: the level); a
   confirmed fall is a new pace (a job that sped up), no event. Slow, every confirmed
   change is an event, found as a rise is: a further rise is another ``fail_slow``; a

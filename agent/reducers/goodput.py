@@ -11,9 +11,10 @@ each; on CPU the ranks) is split into what the agent saw and what it could not:
   - productive: every iteration at the job's healthy pace (the fail-slow baseline,
     perfmon.agent.reducers.failslow), its noise around that pace included;
   - startup: from the window's start (the process start, or the attach) to its first
-    iteration (less one healthy step), when the job was not iterating then: its first
-    iteration ended a stall's length or more after the attach, or (the node service
-    and run) its process was younger at the attach than that;
+    iteration (less one healthy step), and the stalls of its first steps (before its
+    healthy pace formed), when the job was not iterating then: its first iteration
+    ended a stall's length or more after the attach, or (the node service and run)
+    its process was younger at the attach than that;
   - hang: stalls, wherever they sit (in the data loader, forward, backward or optimizer
     step, between iterations, in the first or last iteration of the window): an
     iteration that took its pace plus a stall (perfmon.agent.reducers.pace: at least
@@ -83,6 +84,7 @@ class _Stall:
     start_ns: int
     end_ns: int  # (the session's end: still stalled)
     lost_ns: int
+    early: bool = False  # before the healthy pace was known (a job's first steps)
 
 
 @dataclass
@@ -143,7 +145,7 @@ class _Account:
         self.stalls: deque[_Stall] = deque(maxlen=MAX_STALLS)
         self.stalls_dropped_ns = 0  # (of stalls no longer kept one by one: hang)
 
-    def take(self, end_ns: int, step_ns: int, healthy_ns: float) -> None:
+    def take(self, end_ns: int, step_ns: int, healthy_ns: float, early: bool = False) -> None:
         at_pace, stall = self.pace.take(step_ns)
         b = self._bin(end_ns)
         b.iterations += 1
@@ -155,13 +157,13 @@ class _Account:
         if stall:
             if len(self.stalls) == MAX_STALLS:
                 self.stalls_dropped_ns += self.stalls[0].lost_ns
-            self.stalls.append(_Stall(end_ns - step_ns, end_ns, stall))
+            self.stalls.append(_Stall(end_ns - step_ns, end_ns, stall, early))
 
     def take_held(self, held: list[tuple[int, int]], healthy_ns: float) -> None:
         """Steps held before the healthy pace was known, judged against their own pace."""
         self.pace.seed([s for _, s in held])
         for end, step in held:
-            self.take(end, step, healthy_ns)
+            self.take(end, step, healthy_ns, early=True)
 
     def _bin(self, t_ns: int) -> _Bin:
         key = (t_ns - self.origin_ns) // self.width_ns
@@ -303,9 +305,11 @@ class Goodput:
         else:
             unobserved_ns += tail
         for stall in stalls:
-            data = any(stall.start_ns <= since < stall.end_ns or since == stall.start_ns
+            data = any(stall.start_ns <= since < stall.end_ns
                        for since, phase in self._hangs if phase == "data_loading")
-            lost["data_stall" if data else "hang"] += stall.lost_ns / 1e9
+            # (a job seen from its start: its first, slow steps are its start-up's)
+            cause = "startup" if started and stall.early else "data_stall" if data else "hang"
+            lost[cause] += stall.lost_ns / 1e9
         lost["hang"] += account.stalls_dropped_ns / 1e9
         slow = [(a, z, "data_stall" if _top_phase(e) == "data_loading" else "slowdown")
                 for a, z, e in episodes(fail_slow, end_ns)]
@@ -319,10 +323,10 @@ class Goodput:
             straggling = min(excess, delay * b.iterations)
             lost["straggler"] += straggling / 1e9
             excess -= straggling
-            cause = next((c for a, z, c in slow if a < b_end and z > b.start_ns), None)
-            if cause is None:  # (outside every episode: beyond the noise only)
+            episode = next((c for a, z, c in slow if a < b_end and z > b.start_ns), None)
+            if episode is None:  # (outside every episode: beyond the noise only)
                 excess = max(0.0, excess - b.band_ns())
-            lost[cause or "unexplained"] += excess / 1e9
+            lost[episode or "unexplained"] += excess / 1e9
             productive_ns -= straggling + excess
         ledger.wall_s = max(0, end_ns - start - unobserved_ns) / 1e9
         ledger.unobserved_s = unobserved_ns / 1e9

@@ -345,6 +345,7 @@ def plot_throughput(run: Run, plot_id: str) -> Plot:
 _LEDGER = (("productive", "#2a9d8f"), ("startup", "#8ecae6"), ("restart", "#219ebc"),
            ("hang", "#e63946"), ("straggler", "#f4a261"), ("slowdown", "#e76f51"),
            ("data_stall", "#e9c46a"), ("unexplained", "#adb5bd"))
+_UNOBSERVED = "#ffffff"  # (drawn hatched, outside the ratio: what the agent did not see)
 
 
 def plot_goodput(run: Run, plot_id: str) -> Plot | None:
@@ -358,13 +359,19 @@ def plot_goodput(run: Run, plot_id: str) -> Plot | None:
     parts = [(name, colour, hours) for name, colour in _LEDGER
              if isinstance(hours := ledger.get("productive_gpu_hours") if name == "productive"
                            else lost.get(name), int | float) and hours > 0]
+    unseen = ledger.get("unobserved_gpu_hours")
+    if isinstance(unseen, int | float) and unseen > 0:
+        parts.append(("unobserved (not in the ratio)", _UNOBSERVED, unseen))
     if not parts:  # (a session that ended before its first iteration: nothing to draw)
         return None
-    fig = _figure(2.4)  # (one bar, and its legend of up to eight causes below it)
+    fig = _figure(2.4)  # (one bar, and its legend of up to nine parts below it)
     ax = fig.add_subplot()
     left = 0.0
     for name, colour, hours in parts:
-        ax.barh([0], [hours], left=left, color=colour, label=f"{name} {hours:.3g}")
+        unseen_part = colour == _UNOBSERVED
+        ax.barh([0], [hours], left=left, color=colour, label=f"{name} {hours:.3g}",
+                hatch="//" if unseen_part else None,
+                edgecolor="#6c757d" if unseen_part else None)
         left += hours
     ax.set_yticks([])
     ax.set_xlabel("GPU-hours")
@@ -375,7 +382,8 @@ def plot_goodput(run: Run, plot_id: str) -> Plot | None:
     title = "Goodput" + (f" {ratio:.1%}" if isinstance(ratio, int | float) else "")
     return Plot(plot_id, title,
                 "Where the GPU-hours went (docs/metrics.md, Goodput): the iterations at the "
-                "job's healthy pace, and the time lost by cause; across the job's sessions "
+                "job's healthy pace, the time lost by cause, and (hatched) the time the "
+                "agent could not see, outside the ratio; across the job's sessions "
                 "(restarts included) where it had several.", fig)
 
 

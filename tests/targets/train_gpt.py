@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stall-at", type=int, default=0, help="stall forever at this iteration")
     p.add_argument("--stall-when", metavar="PATH",
                    help="stall forever once PATH exists (looked for each iteration)")
+    p.add_argument("--stall-in", choices=["between", "backward"], default="between",
+                   help="where the stall sits: before the iteration's data (between "
+                        "iterations), or inside its backward (a hook on the first block)")
     p.add_argument("--stall-for", type=float, default=0.0,
                    help="... or for this many seconds (a hang that resolves)")
     p.add_argument("--checkpoint", help="a file: resume from the iteration it names, and "
@@ -242,6 +245,16 @@ def train(args: argparse.Namespace) -> None:
                 extra(slow["s"])
 
         model.register_forward_pre_hook(forward_pre_hook)
+    stall_in_backward = {"now": False}
+    if args.stall_in == "backward":
+        def backward_hook(*_args: object) -> None:
+            # (the first block's input gradients: its own weights' and the embeddings'
+            # are still to come, so the stall sits inside backward())
+            if stall_in_backward["now"]:
+                stall_in_backward["now"] = False
+                deliberately_stalled_collective(args.stall_for)
+
+        model.blocks[0].register_full_backward_hook(backward_hook)
     if args.tp_collectives:
         add_tp_collectives(model, args.tp_collectives)
     if args.ddp:
@@ -291,7 +304,10 @@ def train(args: argparse.Namespace) -> None:
         last = now
         if (args.stall_at and iteration == args.stall_at) or (
                 args.stall_when and os.path.exists(args.stall_when)):
-            deliberately_stalled_collective(args.stall_for)
+            if args.stall_in == "backward":
+                stall_in_backward["now"] = True
+            else:
+                deliberately_stalled_collective(args.stall_for)
         loading_s = 0.0
         for _ in range(args.grad_accum):
             began = time.monotonic()
