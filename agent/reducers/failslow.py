@@ -21,11 +21,11 @@ time, against a level that follows the job and a baseline, its healthy pace
   (10 s or more of them), and the sums go on at once.
   Baseline: the healthy level, following it down (a job that speeds up), never up.
 - Noise: sigma of a block median, from the steps inside the blocks (1.4826 x their
-  median absolute deviation x 1.2533 / sqrt(B), the median over the last 30
-  blocks) and, once 10 pairs of successive healthy blocks are in, from their
-  differences (1.4826 x the median |ln(m_i / m_i-1)| / sqrt(2)), whichever is
-  larger. The smallest shift reported: d = max(ln(1 + threshold), z x sigma),
-  threshold 3 %, z = 3.
+  median absolute deviation / (1 - 1.3 / B) x 1.2533 / sqrt(B): the MAD of a few
+  steps reads low; the median over the last 30 blocks) and, once 10 pairs of
+  successive healthy blocks are in, from their differences (1.4826 x the median
+  |ln(m_i / m_i-1)| / sqrt(2)), whichever is larger. The smallest shift reported:
+  d = max(ln(1 + threshold), z x sigma), threshold 3 %, z = 3.
 - With x = ln(m / level) and k = d / 2, S+ = max(0, S+ + x - k) and
   S- = max(0, S- - x - k); a sum above 2 d raises an alarm. The change point is the
   first block of the run's last stretch of blocks nearer the new level (the median
@@ -33,8 +33,10 @@ time, against a level that follows the job and a baseline, its healthy pace
   blocks from the change point to the last one still nearer the new level cover
   ``sustain_s`` (10 s) for a shift of 2 d or more, 10 s x 2 d / shift for a smaller
   one (at most ``sustain_max_s``, 25 s), and the shift (the median of those blocks,
-  the first left out) is at least max(threshold, d / 2); if the last blocks are
-  back within d / 4, the sums restart.
+  the first left out) is at least max(threshold, d / 2), with the last block within
+  max(d, shift) of it (else the job is still moving, e.g. a small drift met a large
+  step: the next blocks say where it settles); if the last blocks are back within
+  d / 4, the sums restart.
 - Drift: healthy, when every block of the last 10 s is d or more above the
   baseline though the sums never confirmed a step (a creep), that is a
   ``fail_slow`` event too. Any rise whose last block at or below the baseline (or,
@@ -173,9 +175,13 @@ class FailSlow:
         start = block[0][0] - block[0][1]
         logs = [math.log(max(s, 1)) for _, s in block]
         centre = statistics.median(logs)
-        # The spread of a median of B steps: 1.2533 sigma / sqrt(B) (normal steps).
-        self._within.append(MAD_TO_SIGMA * statistics.median(abs(x - centre) for x in logs)
-                            * 1.2533 / math.sqrt(len(logs)))
+        # The spread of a median of B steps: 1.2533 sigma / sqrt(B) (normal steps), sigma
+        # from the MAD of the block's steps, corrected for how low it reads on a few
+        # (about their own median: 0.74 sigma at 5 steps, 0.85 at 8, 0.95 at 20:
+        # 1 - 1.3 / B; long steps make small blocks).
+        sigma = (MAD_TO_SIGMA * statistics.median(abs(x - centre) for x in logs)
+                 / (1 - 1.3 / len(logs)))
+        self._within.append(sigma * 1.2533 / math.sqrt(len(logs)))
         self._blocks.append((start, block[-1][0], math.exp(centre), active_ns))
         # Blocks are small (one every ~2 s); keep what the change points need.
         if len(self._blocks) > 4096:
@@ -187,15 +193,19 @@ class FailSlow:
         self._on_block()
 
     def _settled(self) -> bool:
-        """Whether the warm-up is over: the last blocks agree (within d), or there have
-        been settle_max_blocks. The blocks before them are left out."""
+        """Whether the warm-up is over: the last blocks agree (within d, each as steady
+        inside as the others: a block that mixes warm-up steps with paced ones spreads
+        more than three times as much), or there have been settle_max_blocks. The
+        blocks before them are left out."""
         rule = self.rule
         last = [b[2] for b in self._blocks[-rule.settle_blocks:]]
         if len(last) < rule.settle_blocks:
             return False
         centre = statistics.median(last)
+        spreads = list(self._within)[-rule.settle_blocks:]
         if (max(abs(math.log(m / centre)) for m in last) > self.shift
-                and len(self._blocks) < rule.settle_max_blocks):
+                or max(spreads) > 3 * statistics.median(spreads)) \
+                and len(self._blocks) < rule.settle_max_blocks:
             return False
         self.warmup_until_ns = self._blocks[-rule.settle_blocks][0]
         self._pace.extend(last)
@@ -280,6 +290,11 @@ class FailSlow:
             # (the alarm is the evidence: the shift's own size need only come near d;
             # below that the sums go on, until its blocks join the level)
             if size < max(math.log1p(rule.threshold), d / 2):
+                return False
+            # (the last block far from the level found, beyond both d and the shift: the
+            # job is still moving, a small drift met a large step; the next blocks say
+            # where it settles)
+            if abs(math.log(self._blocks[i][2] / after)) > max(d, size):
                 return False
             self._changed(start, after, d, recent)
             self._pending.clear()
