@@ -109,7 +109,9 @@ class Incidents:
                        f"{event['delay_ms_per_step']:.1f} ms", pids=[event["pid"]],
                        figures=event)
         elif event["event"] == "fail_slow":
-            moved = [r["pid"] for r in event.get("ranks") or [] if r.get("moved")]
+            # (the ranks whose compute moved; none singled out: every rank is involved)
+            moved = [r["pid"] for r in event.get("ranks") or [] if r.get("moved")] or [
+                t.pid for t in self.targets]
             self.begin("fail_slow", event["t_mono_ns"], event["detected_mono_ns"],
                        f"step time {event['before_step_time_ms']:.1f} -> "
                        f"{event['after_step_time_ms']:.1f} ms ({event['change_pct']:+.0f}%)",

@@ -22,6 +22,7 @@ from perfmon.agent.reducers.ranks import MAD_TO_SIGMA
 
 PACE_STEPS = 9
 NOISE_STEPS = 64
+NOISE_EVERY = 8  # steps between two reckonings of the noise
 STALL_PACES = 2.0
 STALL_MIN_NS = 250_000_000
 STALL_SIGMAS = 6.0
@@ -37,6 +38,7 @@ class Pace:
         self._steps: deque[int] = deque(maxlen=PACE_STEPS)
         self._noise: deque[float] = deque(maxlen=NOISE_STEPS)
         self._in_a_row: list[int] = []  # the last stalls in a row (a new pace?)
+        self._taken = 0
         self.sigma = 0.0
 
     @property
@@ -61,7 +63,8 @@ class Pace:
         self._in_a_row.clear()
         if pace is not None:
             self._noise.append(math.log(max(step_ns, 1) / pace))
-            if len(self._noise) >= 8 and len(self._noise) % 8 == 0:
+            self._taken += 1
+            if self._taken % NOISE_EVERY == 0:  # (a median of 64 a step would cost)
                 self.sigma = MAD_TO_SIGMA * statistics.median(abs(x) for x in self._noise)
         self._steps.append(step_ns)
         return (pace if pace is not None else float(step_ns)), 0
