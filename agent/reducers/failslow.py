@@ -195,7 +195,7 @@ class FailSlow:
     def _settled(self) -> bool:
         """Whether the warm-up is over: the last blocks agree (within d, each as steady
         inside as the others: a block that mixes warm-up steps with paced ones spreads
-        more than three times as much), or there have been settle_max_blocks. The
+        more than five times as much), or there have been settle_max_blocks. The
         blocks before them are left out."""
         rule = self.rule
         last = [b[2] for b in self._blocks[-rule.settle_blocks:]]
@@ -204,7 +204,7 @@ class FailSlow:
         centre = statistics.median(last)
         spreads = list(self._within)[-rule.settle_blocks:]
         if (max(abs(math.log(m / centre)) for m in last) > self.shift
-                or max(spreads) > 3 * statistics.median(spreads)) \
+                or max(spreads) > 5 * statistics.median(spreads)) \
                 and len(self._blocks) < rule.settle_max_blocks:
             return False
         self.warmup_until_ns = self._blocks[-rule.settle_blocks][0]

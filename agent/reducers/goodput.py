@@ -74,6 +74,14 @@ class _Bin:
     healthy_ns: float = 0.0  # the healthy steps they stand for (the band's scale)
     noise_sq: float = 0.0  # the variance of the steps' sum (ns^2)
 
+    def add(self, other: _Bin) -> None:
+        self.iterations += other.iterations
+        self.step_ns += other.step_ns
+        self.excess_ns += other.excess_ns
+        self.stall_ns += other.stall_ns
+        self.healthy_ns += other.healthy_ns
+        self.noise_sq += other.noise_sq
+
     def band_ns(self) -> float:
         """The excess that is the job's own noise (outside episodes)."""
         return max(MIN_SHIFT * self.healthy_ns, BAND_SIGMAS * math.sqrt(self.noise_sq))
@@ -180,13 +188,7 @@ class _Account:
         self.width_ns *= 2
         merged: dict[int, _Bin] = {}
         for key, b in sorted(self.bins.items()):
-            into = merged.setdefault(key // 2, _Bin(self.origin_ns + key // 2 * self.width_ns))
-            into.iterations += b.iterations
-            into.step_ns += b.step_ns
-            into.excess_ns += b.excess_ns
-            into.stall_ns += b.stall_ns
-            into.healthy_ns += b.healthy_ns
-            into.noise_sq += b.noise_sq
+            merged.setdefault(key // 2, _Bin(self.origin_ns + key // 2 * self.width_ns)).add(b)
         self.bins = merged
 
 
