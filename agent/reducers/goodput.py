@@ -306,30 +306,9 @@ class Goodput:
             unobserved_ns += min(tail, at_pace)
         else:
             unobserved_ns += tail
-        for stall in stalls:
-            data = any(stall.start_ns <= since < stall.end_ns
-                       for since, phase in self._hangs if phase == "data_loading")
-            # (a job seen from its start: its first, slow steps are its start-up's)
-            cause = "startup" if started and stall.early else "data_stall" if data else "hang"
-            lost[cause] += stall.lost_ns / 1e9
+        self._book_stalls(stalls, started, lost)
         lost["hang"] += account.stalls_dropped_ns / 1e9
-        slow = [(a, z, "data_stall" if _top_phase(e) == "data_loading" else "slowdown")
-                for a, z, e in episodes(fail_slow, end_ns)]
-        for b in account.bins.values():
-            productive_ns += b.step_ns - b.stall_ns
-            b_end = b.start_ns + account.width_ns
-            delay = max((e["delay_ms_per_step"] * 1e6 for e in stragglers
-                         if e["since_mono_ns"] < b_end
-                         and (e["until_mono_ns"] or end_ns) >= b.start_ns), default=0.0)
-            excess = max(0.0, float(b.excess_ns))
-            straggling = min(excess, delay * b.iterations)
-            lost["straggler"] += straggling / 1e9
-            excess -= straggling
-            episode = next((c for a, z, c in slow if a < b_end and z > b.start_ns), None)
-            if episode is None:  # (outside every episode: beyond the noise only)
-                excess = max(0.0, excess - b.band_ns())
-            lost[episode or "unexplained"] += excess / 1e9
-            productive_ns -= straggling + excess
+        productive_ns += _lay_over(account, fail_slow, stragglers, end_ns, lost)
         ledger.wall_s = max(0, end_ns - start - unobserved_ns) / 1e9
         ledger.unobserved_s = unobserved_ns / 1e9
         ledger.productive_s = productive_ns / 1e9
@@ -340,6 +319,15 @@ class Goodput:
         else:
             ledger.productive_s = max(0.0, ledger.productive_s + rest)
         return ledger, start, healthy
+
+    def _book_stalls(self, stalls: list[_Stall], started: bool, lost: dict[str, float]) -> None:
+        """Each stall under its cause: data_stall when its hang record found the ranks
+        loading data; a job seen from its start: its first, slow steps, its start-up."""
+        for stall in stalls:
+            data = any(stall.start_ns <= since < stall.end_ns
+                       for since, phase in self._hangs if phase == "data_loading")
+            cause = "startup" if started and stall.early else "data_stall" if data else "hang"
+            lost[cause] += stall.lost_ns / 1e9
 
     def window_start(self) -> int:
         """Where the window of a job not iterating at attach starts: the primary's process
@@ -421,6 +409,31 @@ def combined(ledgers: list[Ledger]) -> Ledger | None:
     for cause in CAUSES:
         out.lost_s[cause] = sum(x.lost_s[cause] * x.gpus for x in ledgers) / gpus
     return out
+
+
+def _lay_over(account: _Account, fail_slow: list[dict[str, Any]],
+              stragglers: list[dict[str, Any]], end_ns: int, lost: dict[str, float]) -> float:
+    """The episodes laid over the bins: each bin's excess over the healthy step to its
+    straggler (its delay per step), its fail-slow episode (slowdown, or data_stall), or
+    outside them, beyond the noise band, unexplained. The bins' productive time (ns)."""
+    slow = [(a, z, "data_stall" if _top_phase(e) == "data_loading" else "slowdown")
+            for a, z, e in episodes(fail_slow, end_ns)]
+    productive_ns = 0.0
+    for b in account.bins.values():
+        b_end = b.start_ns + account.width_ns
+        delay = max((e["delay_ms_per_step"] * 1e6 for e in stragglers
+                     if e["since_mono_ns"] < b_end
+                     and (e["until_mono_ns"] or end_ns) >= b.start_ns), default=0.0)
+        excess = max(0.0, float(b.excess_ns))
+        straggling = min(excess, delay * b.iterations)
+        lost["straggler"] += straggling / 1e9
+        excess -= straggling
+        episode = next((c for a, z, c in slow if a < b_end and z > b.start_ns), None)
+        if episode is None:  # (outside every episode: beyond the noise only)
+            excess = max(0.0, excess - b.band_ns())
+        lost[episode or "unexplained"] += excess / 1e9
+        productive_ns += b.step_ns - b.stall_ns - straggling - excess
+    return productive_ns
 
 
 def _median_step(steps: list[tuple[int, int]]) -> float:
