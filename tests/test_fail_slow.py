@@ -35,13 +35,14 @@ from tests.conftest import (
 )
 
 MS = 1_000_000
-# Seconds after the job's first iteration (the agent attaches ~2 s after it): three
-# slowdowns of 30% for 15 s from 15, 45 and 90 s after attach, one of 5% for 30 s, and a
-# creep from 0 to +15% over 40 s, held for 5 s.
-SLOW_30 = ((17, 32), (47, 62), (92, 107))
-SLOW_5 = (122, 152)
-CREEP = (170, 210, 215)
-WATCH_S = 218
+# Seconds after the job's first iteration (the agent attaches ~2 s after it): two
+# slowdowns of 30% for 15 s from 15 and 45 s after attach (the first before the baseline
+# has a minute of blocks, the second after a change), one of 5% for 30 s, and a creep
+# from 0 to +15% over 40 s, held for 5 s.
+SLOW_30 = ((17, 32), (47, 62))
+SLOW_5 = (77, 107)
+CREEP = (125, 165, 170)
+WATCH_S = 173
 
 
 @dataclass
@@ -142,12 +143,12 @@ def _seconds(event: dict, since_ns: float) -> float:
     return (event["detected_mono_ns"] - since_ns) / 1e9
 
 
-def test_30pct_slowdowns_from_15_45_and_90s_after_attach_are_reported_within_15s_with_the_phase(
+def test_30pct_slowdowns_from_15_and_45s_after_attach_are_reported_within_15s_with_the_phase(
         watched: dict[str, Watched]) -> None:
     run = watched["scenario"]
     attach = run.summary["session_info"]["attach_monotonic_ns"]
     onsets = [(run.at(a) - attach) / 1e9 for a, _ in SLOW_30]
-    assert [round(s) for s in onsets] == pytest.approx([15, 45, 90], abs=3)  # no blind window
+    assert [round(s) for s in onsets] == pytest.approx([15, 45], abs=3)  # no blind window
     for a, b in SLOW_30:
         slow = _event(run.events, "fail_slow", run.at(a))
         recovered = _event(run.events, "recovered", run.at(b))
@@ -213,7 +214,7 @@ def test_nothing_else_is_reported_on_the_scenario_and_nothing_on_the_steady_job(
     steady = watched["steady"]
     stats = steady.summary["final_statistics"]
     info = steady.summary["session_info"]
-    assert info["detach_monotonic_ns"] - info["attach_monotonic_ns"] >= 200e9
+    assert info["detach_monotonic_ns"] - info["attach_monotonic_ns"] >= (WATCH_S - 15) * 1e9
     assert stats["stragglers"] == []
     false = [e for e in stats["fail_slow"] if not _confirmed_by_its_own_clock(steady, e)]
     assert false == [], false

@@ -133,6 +133,7 @@ class _Live:
     rows: StepRows  # markers and wait totals -> step rows, logged once a second
     rows_taken_ns: int
     closer_look: bool = False  # a hang suspected, or a fail-slow being looked at
+    news: bool = False  # a straggler or fail-slow event since the last summary written
     over_cap_told: bool = False
     markers: MarkerSource | None = None  # the uprobe source (None: py-spy mode)
     wait_sampling: WaitSampling | None = None  # (None: no collective waits probed)
@@ -351,7 +352,8 @@ class MonitorSession:
                     live.wait_sampling.schedule(keep_on=opts.raw_markers or closer_look)
                 if live.update_sampling is not None:
                     live.update_sampling.schedule(now)
-                if (completed and now >= next_write) or now >= next_refresh:
+                if (completed and now >= next_write) or now >= next_refresh or live.news:
+                    live.news = False
                     self._write(live)
                     spent = SUMMARY_WRITE_BUDGET * (monotonic_ns() - now)
                     next_write = now + max(SUMMARY_MIN_INTERVAL_NS, spent)
@@ -422,6 +424,7 @@ class MonitorSession:
             if steps is not None:
                 completed |= self._log(live, steps.to_record())
         for event in live.summarizer.take_events():
+            live.news = True  # (the summary, and the figures that follow it, at once)
             self.warn(describe_event(event))
             if live.incidents is not None:
                 live.incidents.on_event(event)
