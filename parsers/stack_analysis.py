@@ -208,6 +208,9 @@ def innermost_common_frame(stacks: Sequence[Sequence[Frame]]) -> Frame | None:
     return common
 
 
+MAX_COUNTER = 10**12  # no job counts further
+
+
 def iteration_local(
     threads: Iterable[ThreadStack], names: Sequence[str] = DEFAULT_ITERATION_LOCALS
 ) -> tuple[str, int] | None:
@@ -216,7 +219,9 @@ def iteration_local(
     Searches the main thread first, then the others; within a thread, frames from
     the outermost in (the training loop sits near the bottom; a library frame
     deeper down may have an unrelated ``step``, as Adam's does), and in each frame
-    ``names`` in order. Only integer values count (a tensor's repr is not a number).
+    ``names`` in order. Only integer values count (a tensor's repr is not a number),
+    and only those a counter can hold, 0 to MAX_COUNTER: a read that races the frame
+    can give garbage (-4669202389988461694 was seen under load).
     """
     threads = list(threads)
     first = main_thread(threads)
@@ -225,7 +230,8 @@ def iteration_local(
         for local_vars in reversed(t.frame_locals):
             for name in names:
                 value = local_vars.get(name)
-                if value is not None and _INTEGER.match(value.strip()):
+                if value is not None and _INTEGER.match(value.strip()) \
+                        and 0 <= int(value) <= MAX_COUNTER:
                     return name, int(value)
     return None
 

@@ -204,3 +204,9 @@ def test_iteration_number_from_locals():
     assert iteration_from_locals(threads, ("loss",)) is None  # a tensor is not a number
     assert iteration_from_locals(threads, ("no_such_name",)) is None
     assert iteration_from_locals([]) is None
+    # A read that raced the frame (seen under load in CI: a garbage number) is no count.
+    main = threads[0]
+    for garbage in ("-4669202389988461694", str(10**15)):
+        raced = replace(main, frame_locals=[{**f, "iteration": garbage}
+                                            for f in main.frame_locals])
+        assert iteration_local([raced], ("iteration",)) is None, garbage
