@@ -236,6 +236,8 @@ def test_a_25s_stall_between_iterations_or_inside_a_backward_is_25s_of_hang(
     assert ledger["lost_seconds"]["hang"] == pytest.approx(HANG_S, rel=0.05)
     hangs = run.summary["final_statistics"]["hangs"]
     assert hangs, "the hang was reported"
+    # Where the ranks waited, from their stacks: inside backward(), or outside any phase.
+    assert hangs[0]["phase"] == ("backward" if where == "hang_backward" else "other"), hangs
     bundle = incident(run.summary_folder, "hang")
     # Every rank involved, with its pid and rank (none: a job of one process).
     record = json.loads((bundle / "incident.json").read_text())
