@@ -26,7 +26,7 @@ caller differences them, e.g. at iteration boundaries):
   rank's slice for all-gather (sendcount), reduce-scatter (recvcount),
   all-to-all, gather and scatter. See docs/cuda-nccl.md.
 - at every ``Optimizer.step`` entry (PyTorch's ``record_function``, found in
-  libtorch_cpu as :mod:`perfmon.probes.uprobes` finds it), a copy of the
+  libtorch_cpu as :mod:`perfmon.probes.torch_symbols` finds it), a copy of the
   process's counters taken in the kernel at that instant, so that the
   differences between two steps are exactly one iteration's calls, however
   late ``poll()`` runs.
@@ -69,7 +69,6 @@ Holds the probe (:class:`CudaActivityProbe`) and its log source
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any, NamedTuple
 
 from perfmon.parsers.elf_symbols import ElfSymbol
@@ -84,20 +83,12 @@ from perfmon.probes.cuda_libraries import (
     find_libraries,
 )
 from perfmon.probes.cuda_sampling import LaunchSampling
-from perfmon.probes.errors import (
-    PrerequisiteMissing,
-    SymbolNotFound,
-)
+from perfmon.probes.errors import PrerequisiteMissing, SymbolNotFound, agent_who
 from perfmon.probes.files import MappedLibrary, PathRefused
 from perfmon.probes.procfs import TargetProcess
 from perfmon.probes.sampler import Sampler, Source, monotonic_ns
-from perfmon.probes.uprobes import (
-    check_ebpf_prerequisites,
-    close_bpf,
-    compile_step_program,
-    find_torch_symbols,
-    open_torch_library,
-)
+from perfmon.probes.torch_symbols import find_torch_symbols, open_torch_library
+from perfmon.probes.uprobes import check_ebpf_prerequisites, close_bpf, compile_step_program
 
 # Kernel launches: "always" probed (a trap per launch: ~11 us here), "sampled"
 # (probed for one iteration in every N), or "off".
@@ -202,7 +193,7 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             failures = [err for f in probed for err in self._attach(f.target, plans[f.target.pid])]
             if not self.attached and not any(self._launch_plan.values()):
                 raise PrerequisiteMissing(
-                    f"pid {os.getpid()} (perfmon-agent): no CUDA/NCCL uprobe could be attached: "
+                    f"{agent_who()}: no CUDA/NCCL uprobe could be attached: "
                     + "; ".join(failures))
             self._pids = [f.target.pid for f in probed
                           if plans[f.target.pid] or self._launch_plan.get(f.target.pid)]
@@ -336,10 +327,6 @@ class CudaActivityProbe(Sampler[CudaCounters]):
             if sym not in names:
                 names.append(sym)
         return failures
-
-    @property
-    def launches_attached(self) -> bool:
-        return bool(self._launch_fds)
 
     def attach_launches(self) -> None:
         """Attach the launch probes (mode "sampled"); a failure is a warning."""

@@ -6,11 +6,17 @@ psutil's ``NoSuchProcess``/``AccessDenied``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psutil
 from perfmon.parsers.errors import PerfmonError
+
+
+def agent_who() -> str:
+    """The agent as messages name a process: ``pid N (perfmon-agent)``, its pid now."""
+    return f"pid {os.getpid()} (perfmon-agent)"
 
 
 class ProbeError(PerfmonError):

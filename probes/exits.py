@@ -66,6 +66,7 @@ from perfmon.parsers.proc_connector import (
     unsubscribe_message,
 )
 from perfmon.parsers.trace_pipe import oom_victim, parse_event_line
+from perfmon.probes.errors import agent_who
 from perfmon.probes.ftrace import GROUP_PREFIX, TraceInstance, remove_stale_probes, tracefs_root
 from perfmon.probes.job_files import (
     NOT_A_FILE,
@@ -95,10 +96,6 @@ _OOM_BUFFER_KB_PER_CPU = 64
 # format. Counted after the ")" that ends the comm (which may hold spaces).
 _STAT_EXIT_CODE = 52 - 3
 _STREAMS = {1: "stdout", 2: "stderr"}
-
-
-def _agent() -> str:
-    return f"pid {os.getpid()} (perfmon-agent)"
 
 
 def _who(target: TargetProcess) -> str:
@@ -226,7 +223,7 @@ class ExitSource(Source):
                                  socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
                                  NETLINK_CONNECTOR)
         except OSError as err:
-            self.warnings.append(f"{_agent()}: exit statuses are not observed: no netlink "
+            self.warnings.append(f"{agent_who()}: exit statuses are not observed: no netlink "
                                  f"connector socket ({err.strerror}); exits are recorded "
                                  "when seen, with the status only while unreaped")
             return
@@ -251,7 +248,7 @@ class ExitSource(Source):
             self.hook = "proc_connector"
             return
         self._close_connector()
-        self.warnings.append(f"{_agent()}: exit statuses are not observed: the kernel's process "
+        self.warnings.append(f"{agent_who()}: exit statuses are not observed: the kernel's process "
                              f"events connector: {why}; exits are recorded when seen, with the "
                              "status only while unreaped")
 
@@ -295,7 +292,7 @@ class ExitSource(Source):
         except (PerfmonError, OSError) as err:
             self._close_instance()
             reason = err.strerror if isinstance(err, OSError) else str(err)
-            self.warnings.append(f"{_agent()}: OOM kills are not watched (oom_killed is null): "
+            self.warnings.append(f"{agent_who()}: OOM kills are not watched (oom_killed is null): "
                                  f"{reason}")
             return
         self.oom_watched = True
@@ -361,7 +358,7 @@ class ExitSource(Source):
                     self._connector_drops += 1
                     self.dropped = self._connector_drops + self._ring_losses
                     continue
-                self.warnings.append(f"{_agent()}: reading exit events failed: {err.strerror}; "
+                self.warnings.append(f"{agent_who()}: reading exit events failed: {err.strerror}; "
                                      "exits are recorded when seen from now on")
                 self._close_connector()
                 self.hook = "unobserved"
@@ -383,7 +380,7 @@ class ExitSource(Source):
         try:
             lines = oom.read_lines()
         except OSError as err:  # the pipe is closed: nothing more will come
-            self.warnings.append(f"{_agent()}: reading {oom.path}/trace_pipe failed: "
+            self.warnings.append(f"{agent_who()}: reading {oom.path}/trace_pipe failed: "
                                  f"{err.strerror}; OOM kills are no longer watched")
             return
         lost = False

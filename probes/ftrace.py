@@ -21,7 +21,7 @@ import re
 import secrets
 
 import psutil
-from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError
+from perfmon.probes.errors import PrerequisiteMissing, PrivilegeError, agent_who
 
 # Where tracefs lives: its own mount point (Linux 4.1+), or under debugfs, where
 # the kernel mounts it automatically when debugfs is mounted.
@@ -45,10 +45,6 @@ _MAX_PARTIAL_LINE_BYTES = 1 << 16
 # the one-second resolution of the boot time psutil adds to a process's start.
 _PID_REUSE_MARGIN_S = 2.0
 _LOSS_COUNTERS = ("overrun", "commit overrun", "dropped events")
-
-
-def _agent() -> str:
-    return f"pid {os.getpid()} (perfmon-agent)"
 
 
 def _unescape_mount_path(field: str) -> str:
@@ -80,17 +76,17 @@ def _mount_tracefs() -> None:
         return
     if err == errno.EPERM:
         raise PrivilegeError(
-            f"{_agent()}: tracefs is not mounted and mounting it at {TRACEFS_MOUNT_POINT} was "
+            f"{agent_who()}: tracefs is not mounted and mounting it at {TRACEFS_MOUNT_POINT} was "
             "refused: run as root (CAP_SYS_ADMIN), or mount it beforehand "
             f"(mount -t tracefs nodev {TRACEFS_MOUNT_POINT})"
         )
     if err == errno.ENODEV:
         raise PrerequisiteMissing(
-            f"{_agent()}: the kernel has no tracefs (CONFIG_TRACING is off): tracefs uprobes "
+            f"{agent_who()}: the kernel has no tracefs (CONFIG_TRACING is off): tracefs uprobes "
             "cannot be used"
         )
     raise PrerequisiteMissing(
-        f"{_agent()}: cannot mount tracefs at {TRACEFS_MOUNT_POINT}: {os.strerror(err)}"
+        f"{agent_who()}: cannot mount tracefs at {TRACEFS_MOUNT_POINT}: {os.strerror(err)}"
     )
 
 
@@ -114,7 +110,7 @@ def _find_tracefs() -> str:
     if os.path.exists(os.path.join(DEBUGFS_TRACING, "uprobe_events")):
         return DEBUGFS_TRACING
     raise PrerequisiteMissing(
-        f"{_agent()}: no tracefs: {TRACEFS_MOUNT_POINT} does not exist (a kernel without "
+        f"{agent_who()}: no tracefs: {TRACEFS_MOUNT_POINT} does not exist (a kernel without "
         "CONFIG_TRACING, or /sys not mounted)"
     )
 
@@ -133,26 +129,26 @@ def uprobe_events_root() -> str:
         os.stat(events)
     except FileNotFoundError as err:
         raise PrerequisiteMissing(
-            f"{_agent()}: {events} does not exist: the kernel has no uprobe events "
+            f"{agent_who()}: {events} does not exist: the kernel has no uprobe events "
             "(CONFIG_UPROBE_EVENTS)"
         ) from err
     except PermissionError as err:  # tracefs' root folder is root's alone (mode 0700)
         raise PrivilegeError(
-            f"{_agent()}: cannot reach {events} ({err.strerror}): run as root"
+            f"{agent_who()}: cannot reach {events} ({err.strerror}): run as root"
         ) from err
     if not os.path.isdir(os.path.join(root, "instances")):
-        raise PrerequisiteMissing(f"{_agent()}: {root} has no instances folder (Linux < 3.19)")
+        raise PrerequisiteMissing(f"{agent_who()}: {root} has no instances folder (Linux < 3.19)")
     try:
         # Opening for append checks the right to write without changing anything
         # (O_TRUNC would delete every uprobe event on the host).
         fd = os.open(events, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     except PermissionError as err:
         raise PrivilegeError(
-            f"{_agent()}: cannot write {events} ({err.strerror}): run as root; under kernel "
+            f"{agent_who()}: cannot write {events} ({err.strerror}): run as root; under kernel "
             "lockdown (confidentiality) tracefs cannot be used at all"
         ) from err
     except OSError as err:
-        raise PrerequisiteMissing(f"{_agent()}: cannot open {events}: {err.strerror}") from err
+        raise PrerequisiteMissing(f"{agent_who()}: cannot open {events}: {err.strerror}") from err
     os.close(fd)
     return root
 
@@ -169,10 +165,10 @@ def tracefs_root() -> str:
     try:
         os.stat(instances)
     except PermissionError as err:  # tracefs' root folder is root's alone (mode 0700)
-        raise PrivilegeError(f"{_agent()}: cannot reach {instances} ({err.strerror}): "
+        raise PrivilegeError(f"{agent_who()}: cannot reach {instances} ({err.strerror}): "
                              "run as root") from err
     except OSError as err:
-        raise PrerequisiteMissing(f"{_agent()}: {root} has no instances folder (Linux < 3.19)"
+        raise PrerequisiteMissing(f"{agent_who()}: {root} has no instances folder (Linux < 3.19)"
                                   ) from err
     return root
 
@@ -190,7 +186,7 @@ def make_instance(root: str, group: str, buffer_kb: int) -> str:
         os.mkdir(path)
     except OSError as err:
         raise PrerequisiteMissing(
-            f"{_agent()}: cannot create a tracefs instance in {root}/instances: {err.strerror}"
+            f"{agent_who()}: cannot create a tracefs instance in {root}/instances: {err.strerror}"
         ) from err
     try:
         tracefs_write(os.path.join(path, "trace_clock"), "mono")
@@ -198,7 +194,7 @@ def make_instance(root: str, group: str, buffer_kb: int) -> str:
     except OSError as err:
         remove_instance(path)
         raise PrerequisiteMissing(
-            f"{_agent()}: cannot configure tracefs instance {path}: {err.strerror}"
+            f"{agent_who()}: cannot configure tracefs instance {path}: {err.strerror}"
         ) from err
     return path
 
@@ -221,7 +217,7 @@ def remove_instance(path: str) -> str | None:
     except FileNotFoundError:
         pass
     except OSError as err:  # EBUSY: someone holds its trace_pipe open
-        return f"{_agent()}: cannot remove tracefs instance {path}: {err.strerror}"
+        return f"{agent_who()}: cannot remove tracefs instance {path}: {err.strerror}"
     return None
 
 
@@ -408,7 +404,7 @@ def remove_stale_probes(root: str) -> list[str]:
             if m:
                 instances.setdefault(int(m.group(1)), []).append(entry)
     except OSError as err:
-        return [f"{_agent()}: cannot look for stale perfmon uprobes in {root}: {err.strerror}"]
+        return [f"{agent_who()}: cannot look for stale perfmon uprobes in {root}: {err.strerror}"]
     for pid in sorted(set(events) | set(instances)):
         ctimes = []
         for name in instances.get(pid, []):
@@ -426,7 +422,7 @@ def remove_stale_probes(root: str) -> list[str]:
             except FileNotFoundError:
                 pass
             except OSError as err:
-                warnings.append(f"{_agent()}: cannot remove stale tracefs instance {name} of "
+                warnings.append(f"{agent_who()}: cannot remove stale tracefs instance {name} of "
                                 f"dead agent pid {pid}: {err.strerror}")
         for event in events.get(pid, []):
             warning = remove_uprobe_event(root, f"{GROUP_PREFIX}{pid}", event)
@@ -493,7 +489,7 @@ def remove_uprobe_event(root: str, group: str, event: str) -> str | None:
     except FileNotFoundError:
         return None  # already removed (the kernel says ENOENT)
     except OSError as err:
-        return f"{_agent()}: cannot remove uprobe event {group}/{event}: {err.strerror}"
+        return f"{agent_who()}: cannot remove uprobe event {group}/{event}: {err.strerror}"
     return None
 
 

@@ -13,7 +13,8 @@ from perfmon.parsers.events import Ecc, GpuSamples, Record, Xid
 from perfmon.parsers.gpu_samples import job_gpu_indices
 from perfmon.parsers.peak_tflops import peak_tflops_for
 from perfmon.probes.gpu_health import read_gpu_health
-from perfmon.probes.nvml import NvmlSampler, NvmlUnavailable, driver_info
+from perfmon.probes.gpu_sampling import NvmlSampler
+from perfmon.probes.nvml import NvmlUnavailable, driver_info
 from perfmon.probes.sampler import Source, monotonic_ns
 from perfmon.probes.xid import XidEventWatcher
 

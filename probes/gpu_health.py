@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pynvml
-from perfmon.probes.nvml import GpuLost, GpuReader, NvmlCallError, nvml_query
+from perfmon.probes.nvml import GpuLost, GpuReader, NvmlCallError, open_gpu
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,7 @@ def read_gpu_health(index: int, unsupported: dict[str, str] | None = None) -> Gp
     """
     notes: dict[str, str] = {} if unsupported is None else unsupported
     try:
-        handle = nvml_query(pynvml.nvmlDeviceGetHandleByIndex, index, field="handle", gpu=index)
-        r = GpuReader(index, handle, notes)
+        r = open_gpu(index, notes)
         uuid, name = r.identity()
     except (GpuLost, NvmlCallError) as err:
         return GpuHealthReadings(index, lost=True, error=str(err))

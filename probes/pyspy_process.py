@@ -26,6 +26,7 @@ from perfmon.probes.errors import (
     PrivilegeError,
     ProbeError,
     UnsuitableTarget,
+    agent_who,
 )
 
 _STDERR_MAX_BYTES = 64 << 10
@@ -49,7 +50,7 @@ def find_pyspy() -> str:
     if found:
         return found
     raise PrerequisiteMissing(
-        f"pid {os.getpid()} (perfmon-agent): py-spy not found next to {sys.executable} "
+        f"{agent_who()}: py-spy not found next to {sys.executable} "
         "or on PATH: pip install py-spy"
     )
 

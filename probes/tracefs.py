@@ -1,7 +1,7 @@
 """Training-step markers from the kernel's own uprobe trace events: no bcc, no LLVM, no headers.
 
 Measures: exactly what :class:`perfmon.probes.uprobes.MarkerProbe` measures, as the same
-``MarkerEvent`` records: the CLOCK_MONOTONIC time of every ``Optimizer.step``,
+``Marker`` records: the CLOCK_MONOTONIC time of every ``Optimizer.step``,
 ``Optimizer.zero_grad`` and DataLoader ``__next__`` entry (the C++ entry point of
 PyTorch's ``record_function``, whose name is read in the trap) and of every
 ``torch::autograd::Engine::execute`` entry and return (``backward_enter`` /
@@ -51,14 +51,7 @@ import os
 import time
 from typing import Any
 
-from perfmon.parsers.elf_symbols import (
-    ElfError,
-    ElfSymbol,
-    file_offset,
-    find_function_symbols,
-    load_segments,
-)
-from perfmon.parsers.events import Record
+from perfmon.parsers.events import Marker, Record
 from perfmon.parsers.procfs import CAP_SYS_ADMIN, CAP_SYS_PTRACE, missing_capabilities
 from perfmon.parsers.trace_pipe import (
     classify_step_name,
@@ -70,7 +63,7 @@ from perfmon.probes.errors import (
     NoSuchProcess,
     PrerequisiteMissing,
     PrivilegeError,
-    SymbolNotFound,
+    agent_who,
 )
 from perfmon.probes.files import MappedLibrary
 from perfmon.probes.ftrace import (
@@ -85,14 +78,11 @@ from perfmon.probes.ftrace import (
 )
 from perfmon.probes.procfs import TargetProcess, agent_capabilities, thread_group, thread_ids
 from perfmon.probes.sampler import Source, monotonic_ns
+from perfmon.probes.torch_symbols import find_torch_offsets, open_torch_library
 from perfmon.probes.uprobes import (
-    COLLECTIVE_WAIT_SYMBOLS,
     DEFAULT_STEP_KINDS,
-    ENGINE_EXECUTE_SYMBOL,
-    RECORD_FUNCTION_SYMBOLS,
-    MarkerEvent,
+    NAME_LEN_BYTES,
     UpdateAccount,
-    open_torch_library,
     step_prefixes,
 )
 from perfmon.probes.waits import WaitAccount
@@ -105,19 +95,12 @@ _NAME_FETCH = {
     "x86_64": "+0(+0(%si)):ustring",
     "aarch64": "+0(+0(%x1)):ustring",
 }
-# Bytes of a name kept, with its terminating NUL: iterations.bpf.c's NAME_LEN,
-# so that both backends cut long names at the same byte.
-NAME_LEN_BYTES = 64
 # The ring buffer's loss counters are re-read at most this often (s).
 _STATS_INTERVAL_S = 1.0
 _RECORD_FUNCTION = "record_function"  # an rf_enter event: classified by its name
 # Event numbers: unique within the agent, so that several probes in one agent
 # (same group) never define the same event name.
 _EVENT_NUMBERS = {"rf": itertools.count(), "bw": itertools.count(), "wait": itertools.count()}
-
-
-def _agent() -> str:
-    return f"pid {os.getpid()} (perfmon-agent)"
 
 
 def check_tracefs_prerequisites() -> str:
@@ -132,50 +115,18 @@ def check_tracefs_prerequisites() -> str:
     missing = missing_capabilities(agent_capabilities(), (CAP_SYS_PTRACE, CAP_SYS_ADMIN))
     if missing:
         raise PrivilegeError(
-            f"{_agent()}: missing capabilities {', '.join(missing)} for tracefs uprobes: run "
+            f"{agent_who()}: missing capabilities {', '.join(missing)} for tracefs uprobes: run "
             "as root (with full capabilities), or grant CAP_SYS_ADMIN and CAP_SYS_PTRACE")
     machine = os.uname().machine
     if machine not in _NAME_FETCH:
         raise PrerequisiteMissing(
-            f"{_agent()}: tracefs uprobes: reading record_function names is only "
+            f"{agent_who()}: tracefs uprobes: reading record_function names is only "
             f"implemented on {', '.join(sorted(_NAME_FETCH))}, not {machine}"
         )
     return uprobe_events_root()
 
 
 # --- the probe ----------------------------------------------------------------
-
-def probe_offsets(target: TargetProcess, library: MappedLibrary
-                  ) -> tuple[list[int], list[int], list[int]]:
-    """File offsets of (record_function entry points, Engine::execute, collective waits)
-    in the target's libtorch_cpu, as uprobe_events wants them.
-
-    Raises SymbolNotFound when the library cannot be read or has no record_function
-    entry point; the others may be absent ([]).
-    """
-    try:
-        found = find_function_symbols(
-            library, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, *COLLECTIVE_WAIT_SYMBOLS))
-        segments = load_segments(library)
-        record: list[ElfSymbol] = next(
-            (found[p] for p in RECORD_FUNCTION_SYMBOLS if found[p]), [])
-        if not record:
-            raise SymbolNotFound(
-                f"pid {target.pid} ({target.name}): {target.torch_library} exports no "
-                "torch::autograd::profiler::record_function_enter_new or record_function_enter "
-                "(a PyTorch older than 1.8, or a build with hidden symbols)"
-            )
-        return ([file_offset(segments, s.address) for s in record],
-                [file_offset(segments, s.address) for s in found[ENGINE_EXECUTE_SYMBOL]],
-                [file_offset(segments, s.address)
-                 for p in COLLECTIVE_WAIT_SYMBOLS for s in found[p]])
-    except (OSError, ValueError, ElfError) as err:
-        raise SymbolNotFound(
-            f"pid {target.pid} ({target.name}): cannot read symbols of {target.torch_library}: "
-            f"{err}"
-        ) from err
-
-
 
 class TracefsMarkerProbe(Source):
     """Tracefs uprobe events on the step markers of one or more PyTorch processes.
@@ -251,7 +202,7 @@ class TracefsMarkerProbe(Source):
             st = os.fstat(library.fd)
             key = (st.st_dev, st.st_ino)
             if key not in points:
-                points[key] = (library, target, *probe_offsets(target, library))
+                points[key] = (library, target, *find_torch_offsets(target, library))
             if points[key][4]:
                 self._waits_probed.add(target.pid)
             if not points[key][3]:
@@ -267,7 +218,7 @@ class TracefsMarkerProbe(Source):
             tracefs_write(os.path.join(trace.path, "options", "event-fork"), "1")
         except OSError as err:
             raise PrerequisiteMissing(
-                f"{_agent()}: cannot configure tracefs instance {trace.path}: {err.strerror}"
+                f"{agent_who()}: cannot configure tracefs instance {trace.path}: {err.strerror}"
             ) from err
         for option, value in (("record-tgid", "1"), ("irq-info", "0")):
             try:
@@ -306,7 +257,7 @@ class TracefsMarkerProbe(Source):
                     tracefs_write(path, " ".join(map(str, new[i:i + 256])))
                 except OSError as err:
                     raise PrerequisiteMissing(
-                        f"{_agent()}: cannot set the pid filter {path}: {err.strerror}"
+                        f"{agent_who()}: cannot set the pid filter {path}: {err.strerror}"
                     ) from err
             written |= tids
 
@@ -321,17 +272,18 @@ class TracefsMarkerProbe(Source):
             self._add_event(target, name, _RECORD_FUNCTION,
                             f"p:{self.group}/{name} {path}:{offset:#x} name={fetch}")
         for offset in engine:
-            n = next(_EVENT_NUMBERS["bw"])
-            self._add_event(target, f"bw_enter_{n}", "backward_enter",
-                            f"p:{self.group}/bw_enter_{n} {path}:{offset:#x}")
-            self._add_event(target, f"bw_exit_{n}", "backward_exit",
-                            f"r:{self.group}/bw_exit_{n} {path}:{offset:#x}")
+            self._add_entry_and_return(target, f"{path}:{offset:#x}", "bw", "backward")
         for offset in wait:
-            n = next(_EVENT_NUMBERS["wait"])
-            self._add_event(target, f"wait_enter_{n}", "wait_enter",
-                            f"p:{self.group}/wait_enter_{n} {path}:{offset:#x}")
-            self._add_event(target, f"wait_exit_{n}", "wait_exit",
-                            f"r:{self.group}/wait_exit_{n} {path}:{offset:#x}")
+            self._add_entry_and_return(target, f"{path}:{offset:#x}", "wait", "wait")
+
+    def _add_entry_and_return(self, target: TargetProcess, place: str, stem: str,
+                              kind: str) -> None:
+        """An entry event (``<stem>_enter_<n>``, kind ``<kind>_enter``) and a return
+        event (``<stem>_exit_<n>``, ``<kind>_exit``) on the function at ``place``."""
+        n = next(_EVENT_NUMBERS[stem])
+        for probe, end in (("p", "enter"), ("r", "exit")):
+            name = f"{stem}_{end}_{n}"
+            self._add_event(target, name, f"{kind}_{end}", f"{probe}:{self.group}/{name} {place}")
 
     def _add_event(self, target: TargetProcess, name: str, kind: str, definition: str) -> None:
         try:
@@ -366,7 +318,7 @@ class TracefsMarkerProbe(Source):
                         "reference counter) probes the same function: see dmesg"
                         if err.errno == errno.EINVAL else "")
                 raise PrerequisiteMissing(
-                    f"{_agent()}: cannot enable uprobe event {self.group}/{name}: "
+                    f"{agent_who()}: cannot enable uprobe event {self.group}/{name}: "
                     f"{err.strerror}{hint}"
                 ) from err
             self._enabled.append(name)
@@ -383,7 +335,7 @@ class TracefsMarkerProbe(Source):
         try:
             lines = self._trace.read_lines()
         except OSError as err:  # the pipe is closed: nothing more will come
-            self.warnings.append(f"{_agent()}: reading {self._trace.path}/trace_pipe failed: "
+            self.warnings.append(f"{agent_who()}: reading {self._trace.path}/trace_pipe failed: "
                                  f"{err.strerror}; no more markers")
             return []
         events: list[Record] = []
@@ -401,7 +353,7 @@ class TracefsMarkerProbe(Source):
         self.events += len(events)
         return list(events)
 
-    def _event(self, line: bytes) -> MarkerEvent | None:
+    def _event(self, line: bytes) -> Marker | None:
         parsed = parse_trace_line(line)
         if parsed is None:
             return None
@@ -421,10 +373,10 @@ class TracefsMarkerProbe(Source):
             if step_kind is None:
                 return None
             kind, name = step_kind, raw.decode("utf-8", "replace")
-        return MarkerEvent(t_mono_ns=parsed.t_mono_ns, pid=tgid, tid=parsed.tid, kind=kind,
+        return Marker(t_mono_ns=parsed.t_mono_ns, pid=tgid, tid=parsed.tid, kind=kind,
                            name=name)
 
-    def _account(self, event: MarkerEvent) -> list[Record]:
+    def _account(self, event: Marker) -> list[Record]:
         """What of a marker is logged (probes.waits.WaitAccount.account). (No gradient
         reads here: a tracefs uprobe traps in every process that maps the library, and
         they are frequent; a job without torch.optim's step shows as unmeasured.)"""
@@ -450,7 +402,7 @@ class TracefsMarkerProbe(Source):
                 try:
                     self._trace.enable(self.group, name, on)
                 except OSError as err:
-                    self.warnings.append(f"{_agent()}: cannot {'en' if on else 'dis'}able "
+                    self.warnings.append(f"{agent_who()}: cannot {'en' if on else 'dis'}able "
                                          f"{self.group}/{name}: {err.strerror}")
         self.waits_on = on
         if on:
@@ -485,7 +437,7 @@ class TracefsMarkerProbe(Source):
                 try:
                     self._trace.enable(self.group, name, on=False)
                 except OSError as err:
-                    self.warnings.append(f"{_agent()}: cannot disable uprobe event "
+                    self.warnings.append(f"{agent_who()}: cannot disable uprobe event "
                                          f"{self.group}/{name}: {err.strerror}")
         self._enabled = []
         if self._trace is not None:

@@ -8,9 +8,10 @@ first gradient read after a backward pass (``c10::TensorImpl::grad`` in libc10,
 ``grad_read``: the update of a job without torch.optim's marker, probed only until
 the process shows that marker), and
 the time blocked in the c10d calls that wait on a collective
-(``COLLECTIVE_WAIT_SYMBOLS``): accounted in the kernel and carried by each step's
-event (a ``waits`` record), with each entry and return as ``wait_enter`` /
-``wait_exit`` markers only while ``set_raw_waits`` asks for them.
+(:mod:`perfmon.probes.torch_symbols`' ``COLLECTIVE_WAIT_SYMBOLS``): accounted in the
+kernel and carried by each step's event (a ``waits`` record), with each entry and
+return as ``wait_enter`` / ``wait_exit`` markers only while ``set_raw_waits`` asks
+for them.
 
 Cost: one uprobe trap per ``record_function`` entry, per ``backward()`` and per
 collective wait in the target (a few microseconds each); what leaves the kernel is
@@ -35,8 +36,7 @@ from collections.abc import Iterable
 from importlib import resources
 from typing import Any
 
-from perfmon.parsers import procfs
-from perfmon.parsers.elf_symbols import ElfError, ElfSymbol, find_function_symbols
+from perfmon.parsers.elf_symbols import ElfSymbol
 from perfmon.parsers.events import MARKER_KINDS, Marker, Record, WaitTotals
 from perfmon.parsers.procfs import (
     CAP_BPF,
@@ -46,37 +46,20 @@ from perfmon.parsers.procfs import (
     missing_capabilities,
 )
 from perfmon.probes.errors import (
-    NoSuchProcess,
     PrerequisiteMissing,
     PrivilegeError,
     SymbolNotFound,
+    agent_who,
 )
-from perfmon.probes.files import MappedLibrary, PathRefused
+from perfmon.probes.files import MappedLibrary
 from perfmon.probes.ftrace import remove_bcc_uprobe_events
-from perfmon.probes.procfs import TargetProcess, agent_capabilities, read_proc
+from perfmon.probes.procfs import TargetProcess, agent_capabilities
 from perfmon.probes.sampler import Source
-
-# Mangled-name prefixes: the full names differ across releases (c10::optional
-# before 2.4, std::optional after), so match the stable part.
-RECORD_FUNCTION_SYMBOLS = (
-    "_ZN5torch8autograd8profiler25record_function_enter_new",  # PyTorch >= 1.13
-    "_ZN5torch8autograd8profiler21record_function_enterE",  # older
-)
-ENGINE_EXECUTE_SYMBOL = "_ZN5torch8autograd6Engine7executeE"
-# c10::TensorImpl::grad() const: what every read of a parameter's gradient calls
-# (Python's ``.grad``, torch.optim, the inputs of a compiled optimizer step, a
-# hand-written ``p -= lr * p.grad``), out of line in libc10. Reads inside backward()
-# leave nothing (iterations.bpf.c), so one event an update leaves the kernel.
-GRAD_READ_SYMBOL = "_ZNK3c1010TensorImpl4gradEv"
-C10_LIBRARY_PREFIX = "libc10."  # (not libc10_cuda)
-# Where a rank blocks on a collective, for gloo and NCCL process groups alike:
-# c10d::Work::wait (an explicit ``work.wait()``, synchronous collectives, gloo's
-# async work) and DDP's Reducer::finalize_backward (waits for every bucket's
-# all-reduce at the end of backward, through futures whose wait is inlined).
-# Nested calls count once (the reducer keeps a depth per thread).
-COLLECTIVE_WAIT_SYMBOLS = (
-    "_ZN4c10d4Work4waitE",
-    "_ZN4c10d7Reducer17finalize_backwardEv",
+from perfmon.probes.torch_symbols import (
+    GRAD_READ_SYMBOL,
+    find_grad_read,
+    find_torch_symbols,
+    open_torch_library,
 )
 
 # record_function names that mark a step, and the BPF event kind of each
@@ -91,18 +74,20 @@ STEP_NAME_PREFIXES = {
 # marker each per step or micro-batch that nothing reduces: each costs the agent
 # ~15 us of CPU, so they are reported only when asked for (step_kinds).
 DEFAULT_STEP_KINDS = ("optimizer_step",)
-_NAME_LEN = 64
-_EVENT_HEAD = struct.Struct("<QIII4xQQ")  # event_t up to its name (iterations.bpf.c)
+# Bytes of a name kept, with its terminating NUL: iterations.bpf.c's NAME_LEN (given
+# as a -D cflag), and where the tracefs backend cuts it, so both cut at the same byte.
+NAME_LEN_BYTES = 64
+# struct event_t of iterations.bpf.c, field by field up to its name (which follows:
+# NAME_LEN_BYTES). tests/unit/probes/test_ring_record_layout.py holds it to the C.
+EVENT_HEAD_FIELDS = (("t_mono_ns", "Q"), ("pid", "I"), ("tid", "I"), ("kind", "I"),
+                     ("_pad", "4x"), ("wait_ns", "Q"), ("waits", "Q"))
+EVENT_HEAD = struct.Struct("<" + "".join(code for _, code in EVENT_HEAD_FIELDS))
 _OPTIMIZER_STEP = MARKER_KINDS.index("optimizer_step") + 1
 _UPDATE_ENDS = (_OPTIMIZER_STEP, MARKER_KINDS.index("grad_read") + 1)
 DEFAULT_RING_PAGES = 64  # 256 KiB: ~2,300 markers between two polls
 _PREFIX_WORDS = 3
 _MAX_PREFIXES = 4
 _BPF_DIR = "bpf"  # in this package: the *.bpf.c programs and step_names.bpf.h
-
-
-# The records markers are: one event-log Marker per probe hit.
-MarkerEvent = Marker
 
 
 def kernel_headers_dir() -> str | None:
@@ -141,7 +126,7 @@ def check_ebpf_prerequisites() -> None:
     missing = missing_capabilities(caps, needed)
     if missing:
         raise PrivilegeError(
-            f"pid {os.getpid()} (perfmon-agent): missing capabilities {', '.join(missing)} "
+            f"{agent_who()}: missing capabilities {', '.join(missing)} "
             "for eBPF uprobes: run as root (with full capabilities), or grant "
             "CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE"
         )
@@ -149,88 +134,18 @@ def check_ebpf_prerequisites() -> None:
         import bcc  # noqa: F401
     except ImportError as err:
         raise PrerequisiteMissing(
-            f"pid {os.getpid()} (perfmon-agent): the bcc Python module is missing: "
+            f"{agent_who()}: the bcc Python module is missing: "
             "apt-get install python3-bpfcc (and use a virtualenv made with "
             "--system-site-packages)"
         ) from err
     if kernel_headers_dir() is None:
         release = os.uname().release
         raise PrerequisiteMissing(
-            f"pid {os.getpid()} (perfmon-agent): no kernel headers for {release}: "
+            f"{agent_who()}: no kernel headers for {release}: "
             f"apt-get install linux-headers-{release} (or point BCC_KERNEL_SOURCE at a "
             "headers tree; `make setup` links Debian's linux-headers-amd64 when the "
             "running kernel has no package)"
         )
-
-
-def open_torch_library(target: TargetProcess) -> MappedLibrary:
-    """The target's libtorch_cpu as it mapped it, held open; SymbolNotFound when it cannot be."""
-    if target.torch_mapping is None:
-        raise SymbolNotFound(f"pid {target.pid} ({target.name}): libtorch_cpu is not loaded")
-    try:
-        return MappedLibrary(target.pid, target.torch_mapping)
-    except (OSError, PathRefused) as err:
-        raise SymbolNotFound(
-            f"pid {target.pid} ({target.name}): cannot open {target.torch_library}: {err}"
-        ) from err
-
-
-def find_grad_read(target: TargetProcess) -> tuple[MappedLibrary, ElfSymbol]:
-    """The target's libc10 as it mapped it, held open, and its gradient read
-    (GRAD_READ_SYMBOL); SymbolNotFound when either cannot be had."""
-    try:
-        maps = read_proc(target.pid, "maps")
-    except (NoSuchProcess, PrivilegeError) as err:
-        raise SymbolNotFound(f"pid {target.pid} ({target.name}): cannot read its maps: {err}"
-                             ) from err
-    mapping = procfs.mapped_file(procfs.parse_maps(maps), C10_LIBRARY_PREFIX)  # type: ignore[arg-type]
-    if mapping is None:
-        raise SymbolNotFound(f"pid {target.pid} ({target.name}): libc10 is not loaded")
-    try:
-        library = MappedLibrary(target.pid, mapping)
-    except (OSError, PathRefused) as err:
-        raise SymbolNotFound(
-            f"pid {target.pid} ({target.name}): cannot open {mapping.path}: {err}") from err
-    try:
-        found = find_function_symbols(library, (GRAD_READ_SYMBOL,))[GRAD_READ_SYMBOL]
-    except (OSError, ValueError, ElfError) as err:
-        library.close()
-        raise SymbolNotFound(
-            f"pid {target.pid} ({target.name}): cannot read symbols of {mapping.path}: {err}"
-        ) from err
-    exact = [sym for sym in found if sym.name == GRAD_READ_SYMBOL]
-    if not exact:
-        library.close()
-        raise SymbolNotFound(f"pid {target.pid} ({target.name}): {mapping.path} exports no "
-                             "c10::TensorImpl::grad")
-    return library, exact[0]
-
-
-def find_torch_symbols(target: TargetProcess, library: MappedLibrary
-                       ) -> tuple[list[ElfSymbol], list[ElfSymbol], list[ElfSymbol]]:
-    """(record_function entry symbols, Engine::execute symbols, collective wait symbols)
-    in the target's libtorch_cpu.
-
-    Raises SymbolNotFound when the library cannot be read or has no
-    record_function entry point; the others may be absent ([]).
-    """
-    try:
-        found = find_function_symbols(
-            library, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, *COLLECTIVE_WAIT_SYMBOLS))
-    except (OSError, ValueError, ElfError) as err:
-        raise SymbolNotFound(
-            f"pid {target.pid} ({target.name}): cannot read symbols of {target.torch_library}: "
-            f"{err}"
-        ) from err
-    record: list[ElfSymbol] = next((found[p] for p in RECORD_FUNCTION_SYMBOLS if found[p]), [])
-    if not record:
-        raise SymbolNotFound(
-            f"pid {target.pid} ({target.name}): {target.torch_library} exports no "
-            "torch::autograd::profiler::record_function_enter_new or record_function_enter "
-            "(a PyTorch older than 1.8, or a build with hidden symbols)"
-        )
-    return (record, found[ENGINE_EXECUTE_SYMBOL],
-            [s for p in COLLECTIVE_WAIT_SYMBOLS for s in found[p]])
 
 
 def step_prefixes(kinds: tuple[str, ...]) -> dict[str, str]:
@@ -253,7 +168,7 @@ def compile_step_program(file_name: str, cflags: list[str],
         bpf = BPF(text=source, cflags=[*cflags, *_step_name_cflags()])
     except Exception as err:  # bcc raises bare Exception on compile failure
         raise PrerequisiteMissing(
-            f"pid {os.getpid()} (perfmon-agent): BPF program {file_name} failed to compile "
+            f"{agent_who()}: BPF program {file_name} failed to compile "
             f"(kernel headers at {kernel_headers_dir()}): {err}"
         ) from err
     _fill_step_prefixes(bpf, step_prefixes(kinds))
@@ -394,7 +309,8 @@ class MarkerProbe(Source):
                 self._libraries[t.pid] = open_torch_library(t)
                 symbols[t.pid] = find_torch_symbols(t, self._libraries[t.pid])
             self._bpf = compile_step_program(
-                "iterations.bpf.c", [f"-DNAME_LEN={_NAME_LEN}", f"-DRING_PAGES={self.ring_pages}"],
+                "iterations.bpf.c",
+                [f"-DNAME_LEN={NAME_LEN_BYTES}", f"-DRING_PAGES={self.ring_pages}"],
                 self.step_kinds)
             # Before the probes: raw waits, when asked for, from the first one on.
             self._bpf[b"raw_waits"][ctypes.c_int(0)] = ctypes.c_uint32(int(self.raw_waits))
@@ -544,10 +460,8 @@ class MarkerProbe(Source):
         events: list[Record] = []
         stepped = set()
         for data in raw:
-            # struct event_t of iterations.bpf.c: u64 t, u32 pid, tid, kind, pad, u64
-            # wait_ns, waits; name.
-            t, pid, tid, kind, wait_ns, waits = _EVENT_HEAD.unpack_from(data)
-            name = data[_EVENT_HEAD.size:].split(b"\0", 1)[0].decode("utf-8", "replace")
+            t, pid, tid, kind, wait_ns, waits = EVENT_HEAD.unpack_from(data)
+            name = data[EVENT_HEAD.size:].split(b"\0", 1)[0].decode("utf-8", "replace")
             if kind in _UPDATE_ENDS:
                 if kind == _OPTIMIZER_STEP:
                     stepped.add(pid)

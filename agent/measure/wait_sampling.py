@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from perfmon.agent.reducers.steps import StepRows
-from perfmon.probes.sampler import monotonic_ns
+from perfmon.probes.duty_cycle import DutyCycle
 
 # One wait probed: an entry trap and a return trap, ~8 µs each on a virtual machine
 # (docs/metrics.md, "Overhead"); a bare-metal host traps in ~1-3 µs, so this errs
@@ -38,39 +38,43 @@ PRIMARY_ENDS_MAX = 4
 
 class WaitSampling:
     """Decides, once a poll (``schedule``), whether the wait probes are on, from the
-    rows made so far; ``set_on`` attaches or detaches them."""
+    rows made so far; ``set_on`` attaches or detaches them (a
+    perfmon.probes.duty_cycle.DutyCycle, on from attach)."""
 
     def __init__(self, rows: StepRows, set_on: Callable[[bool], None], pids: list[int],
                  primary: int, budget: float) -> None:
-        self.rows, self._set_on = rows, set_on
+        self.rows = rows
         self.pids, self.primary = pids, primary
         self.budget = budget  # share of the step (0: always on)
         self.every = 1  # one probed sample of iterations in every N
         self.estimated_share: float | None = None
-        self.samples = 0  # times the probes were attached for a sample
-        self.on = True
+        self._cycle = DutyCycle(set_on, on=True)
         self._estimated_from = 0  # rows.recent's additions at the last estimate
         self._ends_at_on: dict[int, int] = {}
-        self._primary_at_off = 0
         self._primary_probed = 0  # the primary's ends in the last sample
+
+    @property
+    def samples(self) -> int:
+        """Times the probes were attached for a sample."""
+        return self._cycle.begun
 
     def schedule(self, keep_on: bool) -> None:
         self._estimate()
-        if keep_on or self.every == 1:
-            if not self.on:
-                self._switch(True)
-            return
         ends = self.rows.ends_of
-        if self.on:
-            done = all(ends(p) - self._ends_at_on.get(p, 0) >= 2 for p in self.pids)
-            primary = ends(self.primary) - self._ends_at_on.get(self.primary, 0)
-            if done or primary >= PRIMARY_ENDS_MAX:
-                # (the first time, the probes were on since attach: counted as a sample)
-                self._primary_probed = max(1, min(primary, PRIMARY_ENDS_MAX))
-                self._switch(False)
-        elif ends(self.primary) - self._primary_at_off >= (self.every - 1) * self._primary_probed:
-            self._switch(True)
-            self.samples += 1
+        if keep_on or self.every == 1:
+            if not self._cycle.on:
+                self._cycle.switch(True, ends(self.primary))
+                self._switched(True)
+            return
+        whole = all(ends(p) - self._ends_at_on.get(p, 0) >= 2 for p in self.pids)
+        primary = ends(self.primary) - self._ends_at_on.get(self.primary, 0)
+        switched = self._cycle.cycle(ends(self.primary), whole or primary >= PRIMARY_ENDS_MAX,
+                                     (self.every - 1) * self._primary_probed)
+        if switched is False:
+            # (the first time, the probes were on since attach: counted as a sample)
+            self._primary_probed = max(1, min(primary, PRIMARY_ENDS_MAX))
+        if switched is not None:
+            self._switched(switched)
 
     def _estimate(self) -> None:
         recent = self.rows.recent
@@ -85,17 +89,12 @@ class WaitSampling:
         self.estimated_share = waits * WAIT_PROBE_NS / step
         self.every = min(MAX_EVERY, max(1, math.ceil(self.estimated_share / self.budget)))
 
-    def _switch(self, on: bool) -> None:
-        # Rows are measured only inside [attached, detaching): times taken on that side.
+    def _switched(self, on: bool) -> None:
+        # Rows are measured only inside [attached, detaching): the cycle's times.
+        assert self._cycle.switched_ns is not None
+        self.rows.waits_probed(on, self._cycle.switched_ns)
         if on:
-            self._set_on(True)
-            self.rows.waits_probed(True, monotonic_ns())
             self._ends_at_on = {p: self.rows.ends_of(p) for p in self.pids}
-        else:
-            self.rows.waits_probed(False, monotonic_ns())
-            self._set_on(False)
-            self._primary_at_off = self.rows.ends_of(self.primary)
-        self.on = on
 
     def quality(self) -> dict[str, Any]:
         """For data_quality (source ``wait_probes``): how often the waits were probed."""
