@@ -61,24 +61,23 @@ def pid(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def _finite(text: str, fits: Callable[[float], bool], must: str) -> float:
+    """A finite number that ``fits``; else ``must`` (what it must be) in the error."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    if not (math.isfinite(value) and fits(value)):
+        raise argparse.ArgumentTypeError(f"must be {must}, got {text}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _finite(text, lambda value: value > 0, "a positive number")
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
+    return _finite(text, lambda value: value >= 0, "a number >= 0")
 
 
 def regex(text: str) -> str:

@@ -48,7 +48,7 @@ from perfmon.agent.record.outputs import json_bytes, write_user_file
 from perfmon.agent.record.runs import RecordedRun, distrust, find_runs, read_summary_run
 from perfmon.agent.reducers.goodput import Ledger, combined, recorded_ledger
 from perfmon.agent.reducers.iterations import percentile
-from perfmon.agent.reducers.ranks import MAD_TO_SIGMA, StragglerRule
+from perfmon.agent.reducers.ranks import StragglerRule
 from perfmon.parsers.errors import InputFileError, PerfmonError
 
 MAX_DEPTH = 3
@@ -329,27 +329,20 @@ def _slowest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def slow_host(rows: list[dict[str, Any]], rank_steps_ms: list[float]
                ) -> dict[str, Any] | None:
-    """The host whose ranks' median compute stands out among the job's hosts, by the
-    rank rule with hosts for ranks (as the Prometheus rules PerfmonSlowHost): against
-    the reference host (the median host; of two, the faster), an excess above
-    max(k x 1.4826 x the median absolute excess (three hosts or more), 10% of the
-    ranks' mean step, 1 ms). None when no host does (or fewer than two have the figure)."""
+    """The host whose ranks' median compute stands out among the job's hosts: the rank
+    rule's cross-host form (StragglerRule.across_hosts, as the Prometheus rule
+    PerfmonSlowHost) over the ranks' mean step. None when no host does (or fewer than
+    two have the figure)."""
     compute = {r["host"]: v for r in rows if (v := _number(r.get("median_compute_ms")))
                is not None}
-    if len(compute) < 2 or not rank_steps_ms:
+    if not rank_steps_ms:
         return None
-    values = list(compute.values())
-    reference = statistics.median(values) if len(values) >= 3 else min(values)
-    excess = {h: v - reference for h, v in compute.items()}
-    spread = (MAD_TO_SIGMA * statistics.median(abs(e) for e in excess.values())
-              if len(values) >= 3 else 0.0)
-    rule = StragglerRule()
-    bar = max(rule.k * spread, rule.min_share * statistics.fmean(rank_steps_ms), rule.min_ms)
-    host = max(excess, key=excess.__getitem__)
-    if excess[host] <= bar:
+    slow = StragglerRule().across_hosts(compute, statistics.fmean(rank_steps_ms))
+    if slow is None:
         return None
-    return {"host": host, "median_compute_ms": compute[host], "reference_ms": reference,
-            "excess_ms": excess[host], "bar_ms": bar, "spread_ms": spread}
+    return {"host": slow.host, "median_compute_ms": slow.compute_ms,
+            "reference_ms": slow.reference_ms, "excess_ms": slow.excess_ms,
+            "bar_ms": slow.bar_ms, "spread_ms": slow.spread_ms}
 
 
 class _Found:
