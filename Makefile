@@ -4,6 +4,9 @@
 #   make demo   install, start the bundled demo training job, attach for ~20 s,
 #               then write the HTML report and say where it is
 #   make test   install (with test tools), then ruff, mypy and the whole suite
+#               (tests/unit and tests/e2e)
+#   make test-fast  the pure tests only (tests/unit: no eBPF, no process started),
+#                   no ruff or mypy; needs the venv with the test tools (make test)
 #   make install    the node service: its own venv in $(PREFIX), the systemd unit,
 #                   an example config in $(SYSCONFDIR) (kept if present)
 #   make uninstall  removes the venv and the unit (config and job data stay)
@@ -29,7 +32,7 @@ SYSCONFDIR ?= /etc/perfmon-agent
 UNITDIR ?= /etc/systemd/system
 SERVICE_DOCS := docs/service.md docs/prometheus.md docs/security.md docs/requirements.md
 
-.PHONY: setup setup-system setup-test-system setup-headers setup-venv demo test lint typecheck clean install uninstall
+.PHONY: setup setup-system setup-test-system setup-headers setup-venv demo test test-fast lint typecheck clean install uninstall
 
 setup: setup-system setup-headers setup-venv
 
@@ -109,6 +112,14 @@ test: setup setup-test-system
 	$(PY) -m pip install -q -e ".[demo,test]"
 	$(MAKE) lint typecheck
 	PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1} $(PY) -m pytest -q --durations=25 tests
+
+# tests/unit holds the tests that start no process (no agent, no training job, no eBPF):
+# about 40 s on 2 cores; the few marked slow are left to `make test`.
+test-fast:
+	@$(PY) -c "import pytest, hypothesis, perfmon.agent" 2>/dev/null || { echo \
+	  "test-fast: $(PY) lacks the test tools: run make test once, or make setup-venv and then $(PY) -m pip install -e '.[demo,test]'"; \
+	  exit 1; }
+	$(PY) -m pytest -q -m "not slow" tests/unit
 
 # The service's own virtualenv (Debian's python3, --system-site-packages for bcc),
 # the package built from this tree, the unit with PREFIX and SYSCONFDIR filled in.

@@ -42,8 +42,8 @@ for gpu in report["gpus"]:
 PYEOF
 
 echo "== GPU-side tests (fake NVML, fake CUDA/NCCL; uprobe tests need bcc)"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_nvml_sampler.py tests/test_health.py \
-  tests/test_attach_gpu.py tests/test_cuda_probe.py > "$OUT/pytest.log" 2>&1
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/e2e/test_nvml_sampler.py tests/e2e/test_health.py \
+  tests/e2e/test_attach_gpu.py tests/e2e/test_cuda_probe.py > "$OUT/pytest.log" 2>&1
 rc=$?; tail -n 15 "$OUT/pytest.log"; [ "$rc" -eq 0 ] || failed+=("GPU-side tests exit $rc")
 
 echo "== a CUDA training job under the agent"

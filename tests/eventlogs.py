@@ -254,10 +254,9 @@ def rank_feed(ranks: RankTimes, start_ns: int = 0) -> Callable[[dict[str, Any]],
 
     def feed(record: dict[str, Any]) -> None:
         rows.feed(record)
-        steps = rows.take()
-        if steps is None:
+        block = rows.take()
+        if block is None:
             return
-        block = decode_steps(steps.to_record())
         ranks.on_rows(block)
         for pid, end in zip(block.pid.tolist(), block.end_ns.tolist(), strict=True):
             if pid == ranks.primary_pid and pid in opened:

@@ -4,8 +4,9 @@ fail-slow (issue 38). Each case is a primary rank's iterations as the probes giv
 slowdowns that come back to a level near the old one, creeps, restarts. The truth is
 what was injected; ``judge`` feeds the reducers as the Summarizer does (live and
 replayed alike) and ``check`` says where they and the truth part by more than the
-bounds below, each bound stated with its reason. tests/test_judgements_generated.py
-runs a fixed-seed sample in ``make test``; benchmarks/judgements_generated.py runs
+bounds below, each bound stated with its reason.
+tests/unit/agent/reducers/test_judgements_generated.py runs a fixed-seed sample in
+``make test``; benchmarks/judgements_generated.py runs
 10,000 a family and reports the worst error of each figure.
 """
 
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from perfmon.agent.reducers.failslow import EPISODE_CLOSES, FailSlow, FailSlowRule
 from perfmon.agent.reducers.goodput import MIN_SHIFT, Goodput
 from perfmon.agent.reducers.pace import STALL_MIN_NS, STALL_PACES, STALL_SIGMAS
+from perfmon.parsers.figures import render
 
 S = 1_000_000_000
 FAMILIES = ("healthy", "stalls", "slowdowns", "drifts", "restarts")
@@ -80,6 +82,7 @@ class Judged:
     ledger: dict[str, Any]
     events: list[dict[str, Any]]
     fed: Fed
+    open_now: bool = False  # a fail-slow episode open at the end (the Prometheus gauge)
     job: dict[str, Any] | None = None  # restarts: the job's ledger
 
 
@@ -176,12 +179,14 @@ def judge(case: Case) -> Judged:
     if case.restart is not None:
         return _judge_restart(case)
     fed = stream(case)
-    return Judged(*_feed(fed, 0, None, None, attach_only=True), fed)
+    ledger, events, open_now = _feed(fed, 0, None, None, attach_only=True)
+    return Judged(ledger, events, fed, open_now)
 
 
 def _feed(fed: Fed, attach_ns: int, process_start_ns: int | None,
           previous: dict[str, Any] | None, *, attach_only: bool, exited: bool = False,
-          first_job_iteration: int | None = None) -> tuple[dict[str, Any], list[dict]]:
+          first_job_iteration: int | None = None
+          ) -> tuple[dict[str, Any], list[dict], bool]:
     failslow = FailSlow(str)
     goodput = Goodput(attach_ns, process_start_ns, 1, previous, attach_only=attach_only)
     goodput.on_first_end(fed.first_end_ns)
@@ -198,9 +203,9 @@ def _feed(fed: Fed, attach_ns: int, process_start_ns: int | None,
             goodput.on_hang({"last_iteration_mono_ns": since, "phase": phase})
             hung = True
     failslow.resolve([], True)
-    events = failslow.summary()
-    return goodput.summary(fed.end_ns, events, [], hung, first_job_iteration,
-                           exited=exited), events
+    return (goodput.summary(fed.end_ns, failslow.events, [], hung, first_job_iteration,
+                            exited=exited), [render(e) for e in failslow.events],
+            failslow.now() is not None)
 
 
 def _judge_restart(case: Case) -> Judged:
@@ -209,7 +214,7 @@ def _judge_restart(case: Case) -> Judged:
     first = stream(case)
     first.end_ns = first.ends[-1] + int(r["after_s"] * S)  # (its ranks exited then)
     first.tail_stall_ns = 0
-    ledger, _ = _feed(first, 0, -S, None, attach_only=False, exited=True)
+    ledger, _, _ = _feed(first, 0, -S, None, attach_only=False, exited=True)
     iterations = len(first.ends)
     before = {"ledger": ledger, "end_mono_ns": first.end_ns,
               "last_end_mono_ns": first.ends[-1], "last_job_iteration": iterations}
@@ -221,9 +226,10 @@ def _judge_restart(case: Case) -> Judged:
     attach = process_start + int(0.5 * S)
     # (it redoes what it runs first: never more iterations than this session ran)
     redone = r["redone"] = min(int(r["redone"]), len(second.ends))
-    ledger2, events = _feed(second, attach, process_start, before, attach_only=False,
-                            first_job_iteration=iterations + 1 - redone)
-    return Judged(ledger2, events, second, ledger2["job"])
+    ledger2, events, open_now = _feed(second, attach, process_start, before,
+                                      attach_only=False,
+                                      first_job_iteration=iterations + 1 - redone)
+    return Judged(ledger2, events, second, open_now, ledger2["job"])
 
 
 # -- the truth and its bounds ----------------------------------------------------------------
@@ -454,7 +460,7 @@ def _check_slowdowns(case: Case, judged: Judged, errors: Errors) -> None:
     if case.family == "slowdowns" and abs(math.log(last.level)) < d / 2 \
             and max(abs(math.log(x)) for x in healthy) < d / 2 and last.seconds >= bound_s:
         # back at the old level at the end: no episode open (the gauge at 0)
-        errors.holds("none_open", active_episode(events) is None, str(kinds))
+        errors.holds("none_open", not judged.open_now, str(kinds))
     # The ledger: the injected excess over the healthy step: the old one's, or the pace
     # of a job that sped up (the baseline follows a healthy level down).
     injected = sum(b - h * S for b in fed.base_ns) / S
@@ -475,13 +481,6 @@ def _check_slowdowns(case: Case, judged: Judged, errors: Errors) -> None:
     bound = 0.1 * abs(injected) + edge_s + band_s + residual_s + 3 * case.noise * h
     want = min((max(0.0, injected), after_faster), key=lambda w: abs(measured - w))
     errors.within("slowdown_s", measured, want, bound)
-
-
-def active_episode(events: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fail-slow episode open at the end (as the Prometheus gauge reads it)."""
-    from perfmon.agent.measure.metrics import _active_fail_slow
-
-    return {"open": True} if _active_fail_slow(events) is not None else None
 
 
 def _check_restart(case: Case, judged: Judged, errors: Errors) -> None:

@@ -1,5 +1,8 @@
 """Collective waits accounted where they happen: in the kernel (bcc) or in the probe
-(tracefs), one ``waits`` record a step instead of two markers a collective.
+(tracefs), one ``waits`` record a step instead of two markers a collective. (The
+accounting on exact streams: tests/unit/probes/test_waits.py,
+tests/unit/agent/reducers/test_ranks.py and test_steps.py,
+tests/unit/agent/measure/test_wait_sampling.py.)
 
 The real test runs a tensor-parallel-style job (torchrun, gloo, 2 ranks, a hundred
 small all-reduces per forward) and checks, on a run that also logs every wait's
@@ -16,58 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from perfmon.agent.measure.wait_sampling import WAIT_PROBE_NS, WaitSampling
-from perfmon.agent.reducers.ranks import RankTimes
-from perfmon.agent.reducers.steps import StepRows
-from perfmon.parsers.events import Steps
-from perfmon.parsers.step_rows import decode_steps
 from perfmon.probes.waits import WaitAccount
 
 from tests import eventlogs
 from tests.conftest import TRAIN_GPT, Target, load_summary
 
-MS = 1_000_000
 TP_COLLECTIVES = 100
-
-
-def _marker(t: int, pid: int, kind: str, tid: int | None = None) -> dict:
-    return {"type": "marker", "t_mono_ns": t, "pid": pid, "tid": tid or pid, "kind": kind,
-            "name": ""}
-
-
-def test_the_probes_account_each_threads_waits_and_end_a_lost_one_at_the_step():
-    # The same stream as the union test of test_stragglers, through the probe's account:
-    # each thread's waits are summed (nested calls once), counted at their return.
-    account = WaitAccount()
-    account.enter(1, 10 * MS)
-    account.enter(1, 12 * MS)  # nested
-    account.enter(2, 15 * MS)  # another thread, overlapping
-    account.exit(1, 1, 18 * MS)
-    account.exit(1, 2, 25 * MS)  # thread 2: 10 ms
-    account.exit(1, 1, 30 * MS)  # thread 1: 20 ms
-    account.exit(1, 1, 35 * MS)  # entered before: ignored
-    account.enter(1, 40 * MS)  # its return lost: ends at the step
-    assert account.step(1, 1, 50 * MS) == (40 * MS, 3)
-    assert account.step(1, 1, 60 * MS) == (40 * MS, 3)
-
-
-def test_the_reducer_takes_each_iterations_wait_from_the_totals_and_ignores_raw_beside_them():
-    ranks = RankTimes({1: 0}, 1, 0, str)
-    feed = eventlogs.rank_feed(ranks)
-
-    def step(t: int, total_ms: int) -> None:
-        feed({"type": "waits", "t_mono_ns": t, "pid": 1, "wait_ns": total_ms * MS, "waits": 0})
-        feed(_marker(t, 1, "optimizer_step"))
-
-    step(0, 5)
-    feed(_marker(10 * MS, 1, "wait_enter"))  # raw, beside the totals
-    feed(_marker(40 * MS, 1, "wait_exit"))
-    step(50 * MS, 35)
-    step(100 * MS, 35)
-    step(150 * MS, 500)  # more than the step: at most the step
-    assert list(ranks.all()[0].recent) == [(50 * MS, 50 * MS, 30 * MS),
-                                           (100 * MS, 50 * MS, 0),
-                                           (150 * MS, 50 * MS, 50 * MS)]
 
 
 def _tp_job(agent, tmp_path: Path, port: int) -> subprocess.Popen:
@@ -161,83 +118,3 @@ def test_each_steps_wait_totals_are_the_sum_of_its_collectives_waits(
         assert 0 < rank["waits_probed"] < rank["iterations"], rank
         assert rank["wait_share"] == pytest.approx(
             rank["avg_wait_ms"] / (rank["avg_wait_ms"] + rank["avg_compute_ms"]))
-
-
-def test_rows_outside_the_probed_windows_have_their_wait_unmeasured_and_the_means_skip_them():
-    # The probes on from attach, off from 150 ms, on again from 250 ms: only rows whose
-    # whole iteration lies inside a window have a wait; the totals carry on across.
-    rows = StepRows(0)
-
-    def step(t_ms: int, total_ms: int) -> None:
-        rows.feed({"type": "waits", "t_mono_ns": t_ms * MS, "pid": 1,
-                   "wait_ns": total_ms * MS, "waits": total_ms})
-        rows.feed(_marker(t_ms * MS, 1, "optimizer_step"))
-
-    step(0, 0)
-    step(100, 10)
-    rows.waits_probed(False, 150 * MS)
-    step(200, 20)  # partly off
-    rows.waits_probed(True, 250 * MS)
-    step(300, 20)  # its start before the probes were back
-    step(400, 30)
-    steps = rows.take()
-    assert steps is not None
-    block = decode_steps(steps.to_record())
-    assert block.waits.tolist() == [0, 10, -1, -1, 10]
-    assert block.wait_ns.tolist() == [0, 10 * MS, 0, 0, 10 * MS]
-    assert rows.probed_rows == 2 and list(rows.recent) == [(100 * MS, 10), (100 * MS, 10)]
-
-    # The ranks' means of wait and compute are over the probed rows; steps over all.
-    ranks = RankTimes({1: 0}, 1, 0, str)
-    ranks.on_rows(block)
-    (means,) = ranks.interval(400 * MS)
-    assert means["iterations"] == 4 and means["waits_probed"] == 2
-    assert means["avg_step_time_ms"] == 100 and means["avg_wait_ms"] == 10
-    assert means["avg_compute_ms"] == 90 and means["wait_share"] == 0.1
-    assert ranks.all()[0].recent == [(100 * MS, 100 * MS, 10 * MS), (400 * MS, 100 * MS, 10 * MS)]
-
-
-def test_a_straggler_is_named_from_sampled_waits_alone():
-    # Three ranks at 100 ms steps; rank 2 computes 30 ms longer, so the others wait for
-    # it. Only one iteration in 8 has its wait probed (fewer than `least` in a window of
-    # 50): the rule compares the last 10 probed rows of each rank.
-    ranks = RankTimes({1: 0, 2: 1, 3: 2}, 1, 0, str)
-    for block in range(40):  # 40 s, a block a second
-        rows = []
-        for k in range(10):
-            i = block * 10 + k
-            for pid in (1, 2, 3):
-                probed = i % 8 == 0
-                wait = (10 if pid == 3 else 40) * MS if probed else 0
-                rows.append((pid, i * 100 * MS, 1, wait, 5 if probed else -1, 0, 0,
-                             i * 100 * MS, i * 100 * MS))
-        ranks.on_rows(decode_steps(Steps.encode(rows[0][1], rows, ["uprobe"]).to_record()))
-        for k in range(10):
-            ranks.on_primary_iteration((block * 10 + k) * 100 * MS)
-    (episode,) = ranks.stragglers()
-    assert episode["pid"] == 3 and episode["delay_ms_per_step"] == pytest.approx(30)
-    assert ranks.summary()[3]["waits_probed"] == 50 - 1  # (its first row opens the window)
-
-
-def test_costly_waits_are_probed_one_whole_iteration_in_every_n_and_cheap_ones_always():
-    def job(waits_per_step: int, steps: int, budget: float = 0.005) -> tuple[WaitSampling, list]:
-        rows, switches = StepRows(0), []
-        sampling = WaitSampling(rows, switches.append, [1, 2], 1, budget)
-        total = 0
-        for i in range(steps):
-            for pid in (1, 2):
-                t = i * 100 * MS + pid
-                rows.feed({"type": "waits", "t_mono_ns": t, "pid": pid, "wait_ns": total,
-                           "waits": i * waits_per_step})
-                rows.feed(_marker(t, pid, "optimizer_step"))
-            total += MS
-            sampling.schedule(keep_on=False)  # (a poll an iteration)
-        return sampling, switches
-
-    # 100 waits a 100 ms step: an estimated 1.6% > 0.5%, so one in 4.
-    sampling, switches = job(100, 200)
-    assert sampling.estimated_share == pytest.approx(100 * WAIT_PROBE_NS / (100 * MS))
-    assert sampling.every == 4 and sampling.samples >= 10
-    assert switches[:2] == [False, True] and len(switches) >= 20
-    # 10 waits a step (0.16%), or a budget of 0: never detached.
-    assert job(10, 100)[1] == [] and job(100, 100, budget=0)[1] == []

@@ -25,11 +25,11 @@ from perfmon.probes.cuda import CudaActivityProbe
 from perfmon.probes.cuda_counters import CudaCounters
 from perfmon.probes.cuda_libraries import NCCL_COLLECTIVES
 from perfmon.probes.procfs import inspect_process
-from perfmon.probes.uprobes import RECORD_FUNCTION_SYMBOLS
+from perfmon.probes.torch_symbols import RECORD_FUNCTION_SYMBOLS
 
 from tests.fakes.build_cuda import FakeCudaLibraries
 
-TRAIN_FAKE_CUDA = Path(__file__).parent / "targets" / "train_fake_cuda.py"
+TRAIN_FAKE_CUDA = Path(__file__).resolve().parents[1] / "targets" / "train_fake_cuda.py"
 DTYPE_BYTES = {"int8": 1, "uint8": 1, "int32": 4, "float16": 2, "bfloat16": 2, "float32": 4,
                "int64": 8, "float64": 8, "float8e4m3": 1}
 

@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 from perfmon.probes.capabilities import HOST_CHECK_NAMES
-from perfmon.probes.uprobes import COLLECTIVE_WAIT_SYMBOLS, ENGINE_EXECUTE_SYMBOL
+from perfmon.probes.torch_symbols import COLLECTIVE_WAIT_SYMBOLS, ENGINE_EXECUTE_SYMBOL
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, _reap, load_summary, wait_for
@@ -184,7 +184,7 @@ def test_a_python_process_without_pytorch_is_refused_as_attach_refuses_it(
         agent, idle_python) -> None:
     proc = idle_python("-c", "import time; time.sleep(60)")
     run = agent.run("doctor", "--pid", str(proc.pid), timeout_s=60)
-    assert run.returncode == 3  # as attach (tests/test_bad_input.py)
+    assert run.returncode == 3  # as attach (tests/e2e/test_bad_input.py)
     [line] = run.stderr.strip().splitlines()
     assert line.startswith("perfmon-agent: error: ")
     assert f"pid {proc.pid}" in line and "PyTorch is not loaded" in line

@@ -8,6 +8,8 @@ by SIGKILL; killed by the kernel's OOM killer in a small memory cgroup).
 connector and the oom:mark_victim tracepoint; without them the exits are still
 recorded, with no status unless the kernel still holds it. Under
 PERFMON_REQUIRE_EBPF=1 a missing hook fails the tests instead of skipping them.
+(The parsers on bytes as the kernel writes them: tests/unit/parsers/test_proc_connector.py;
+the reducer on exact records: tests/unit/agent/reducers/test_exits.py.)
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import os
 import secrets
 import signal
 import stat
-import struct
 import subprocess
 import sys
 import time
@@ -27,20 +28,13 @@ from pathlib import Path
 import psutil
 import pytest
 from perfmon.agent.reducers.exits import Exits
-from perfmon.parsers.proc_connector import (
-    PROC_EVENT_EXIT,
-    ConnectorExit,
-    parse_connector_exits,
-    subscribe_messages,
-)
-from perfmon.parsers.trace_pipe import oom_victim, parse_event_line
 from perfmon.probes.exits import ExitSource
 from perfmon.probes.procfs import inspect_process
 
 from tests.conftest import _reap, wait_for
-from tests.test_security import as_job_user, job_home, job_user  # noqa: F401  (fixtures)
+from tests.e2e.test_security import as_job_user, job_home, job_user  # noqa: F401  (fixtures)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RANK_EXIT = ROOT / "tests" / "targets" / "rank_exit.py"
 SECRET = "ROOTSECRET-7f3a9c"
 TIMEOUT_S = 30
@@ -356,59 +350,5 @@ def test_without_the_kernel_hook_an_exit_is_recorded_with_no_status_never_a_gues
 
 # -- the parsers, on bytes as the kernel writes them --------------------------------
 
-def test_connector_datagrams_and_mark_victim_lines_give_exits_and_victims():
-    # An exit as do_exit sends it: nlmsghdr, cn_msg, proc_event (its header, then the exit).
-    event = struct.pack("=IIQ", PROC_EVENT_EXIT, 1, 5_000) + struct.pack("=iiII", 42, 40, 768, 9)
-    cn = struct.pack("=IIIIHH", 1, 1, 0, 0, len(event), 0) + event
-    datagram = struct.pack("=IHHII", 16 + len(cn), 3, 0, 0, 0) + cn
-    assert parse_connector_exits(datagram * 2) == [ConnectorExit(42, 40, 5_000, 768)] * 2
-    assert parse_connector_exits(datagram[:-1]) == []  # cut short: nothing read past the end
-    # The subscription requests are connector messages too, and hold no exit event.
-    assert [parse_connector_exits(m) for m in subscribe_messages(7)] == [[], []]
-    line = parse_event_line(b"      oom_reaper-55      [000] .....   120.000001: mark_victim: "
-                            b"pid=1973 uid=0 comm=python")
-    assert line is not None and oom_victim(line) == 1973
-    other = parse_event_line(b"          python-1       [000] .....     1.000000: other: pid=5")
-    assert other is not None and oom_victim(other) is None
-
 
 # -- the reducer, on records as the source gives them -------------------------------
-
-def _exit(pid: int, t: int, rank: int, **fields) -> dict:
-    return {"type": "rank_exit", "t_mono_ns": t, "pid": pid, "rank": rank, "exit_code": None,
-            "signal": None, "core_dumped": False, "oom_killed": False, "log_tail_cause": None,
-            "source": "proc_connector", **fields}
-
-
-def test_ranks_a_launcher_stops_after_a_failure_are_never_the_cause():
-    exits = Exits()
-    exits.on_exit(_exit(12, 300, 2, signal="SIGTERM"))
-    exits.on_exit(_exit(11, 200, 1, exit_code=1, log_tail_cause={
-        "cause": "nccl_error", "exception_type": "torch.distributed.DistBackendError",
-        "message": "NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited",
-        "line": "..."}))
-    exits.on_exit(_exit(10, 100, 0, exit_code=3))
-    exits.on_exit(_exit(13, 50, 3, exit_code=0))  # finished cleanly before: not a failure
-    assert exits.summary()["cause"] == {"pid": 10, "rank": 0, "what": "exit code 3"}
-    assert exits.ranks[11]["what"] == ("NCCL error in: ProcessGroupNCCL.cpp:3356, remote "
-                                       "process exited (exit code 1)")
-    assert [exits.ranks[p]["failed"] for p in (10, 11, 12, 13)] == [True, True, True, False]
-
-
-def test_at_an_equal_time_a_failure_of_its_own_wins_over_a_stop_signal():
-    exits = Exits()
-    exits.on_exit(_exit(20, 100, 0, signal="SIGKILL"))
-    exits.on_exit(_exit(21, 100, 1, signal="SIGSEGV", core_dumped=True))
-    assert exits.summary()["cause"] == {"pid": 21, "rank": 1,
-                                        "what": "killed by SIGSEGV (core dumped)"}
-
-
-def test_no_failure_no_cause_and_an_unobserved_exit_is_a_failure_only_with_evidence():
-    exits = Exits()
-    exits.on_exit(_exit(30, 100, 0, exit_code=0))
-    exits.on_exit(_exit(31, 110, 1, source="unobserved", core_dumped=None))
-    assert exits.summary()["cause"] is None
-    exits.on_exit(_exit(32, 120, 2, source="unobserved", core_dumped=None, log_tail_cause={
-        "cause": "python_exception", "exception_type": "ValueError", "message": "bad shard"}))
-    assert exits.summary()["cause"] == {"pid": 32, "rank": 2,
-                                        "what": "ValueError: bad shard (exit status unknown)"}

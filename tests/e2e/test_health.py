@@ -18,7 +18,7 @@ import pytest
 
 from tests.fakes.build import FakeNvml, write_scenario
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "health_report.schema.json").read_text())
 WINDOW = "0.1"
 

@@ -2,7 +2,7 @@
 hierarchy a kubelet makes (systemd driver, burstable QoS, containerd), moves a real
 training process into it, sets the downward API's POD_NAME and POD_NAMESPACE as a pod
 spec would, and reads the job's record, summary and metrics. (The DaemonSet that runs
-the agent: docs/deploy, test_deploy.py.)"""
+the agent: docs/deploy, tests/unit/test_deploy.py.)"""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from perfmon.probes.discovery import ProcessScan
 from perfmon.probes.procfs import TargetProcess, container_of, target_job
 
 from tests.conftest import SUMMARY_SCHEMA, TRAIN_GPT, Target, _reap, wait_for
-from tests.test_security import other_user  # noqa: F401  (an ordinary user)
-from tests.test_service import Service
+from tests.e2e.test_security import other_user  # noqa: F401  (an ordinary user)
+from tests.e2e.test_service import Service
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 

@@ -1,5 +1,6 @@
 """`merge`: the summaries of one job's nodes as one job summary. Two real attach sessions
-stand in for two nodes (their summaries relabelled as two hosts of one job)."""
+stand in for two nodes (their summaries relabelled as two hosts of one job). (The
+slow-host rule on exact figures: tests/unit/agent/views/test_merge.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from perfmon.agent.views import merge
 
 from tests.conftest import ROOT, load_summary
 
@@ -139,30 +139,6 @@ def test_two_nodes_merge_into_the_documented_job_summary(agent, start_target, tm
                     "-o", str(tmp_path / "x.json"))
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["job_info"]["hosts"] == ["node-c"]
-
-
-def _hosts(**compute: float) -> list[dict]:
-    return [{"host": h, "median_compute_ms": c} for h, c in compute.items()]
-
-
-def test_a_slow_host_stands_out_by_the_rank_rule_and_balanced_hosts_do_not():
-    steps = [150.0] * 8  # the ranks' mean step
-    # Three hosts, one 30 ms slower: against the median host, above 10% of the step.
-    slow = merge.slow_host(_hosts(a=100, b=101, c=130), steps)
-    assert slow is not None and slow["host"] == "c"
-    assert slow["reference_ms"] == 101 and slow["excess_ms"] == 29
-    assert slow["spread_ms"] == pytest.approx(1.4826) and slow["bar_ms"] == 15
-    # Balanced (within 2%), of two hosts and of three: none.
-    assert merge.slow_host(_hosts(a=100, b=102), steps) is None
-    assert merge.slow_host(_hosts(a=100, b=102, c=98), steps) is None
-    # Under the minimum effect: none; a noisy set of hosts raises the bar.
-    assert merge.slow_host(_hosts(a=100, b=100, c=110), steps) is None
-    noisy = _hosts(a=100, b=120, c=80, d=140, e=60, f=150)
-    assert merge.slow_host(noisy, steps) is None
-    # Of two hosts, against the faster one; one host or no step: nothing to compare.
-    assert merge.slow_host(_hosts(a=100, b=130), steps)["excess_ms"] == 30
-    assert merge.slow_host(_hosts(a=100), steps) is None
-    assert merge.slow_host(_hosts(a=100, b=130), []) is None
 
 
 def test_merge_of_nothing_or_not_a_folder_is_one_line(agent, tmp_path):

@@ -27,8 +27,8 @@ import psutil
 import pytest
 
 from tests.conftest import TRAIN_GPT, Target, _reap, wait_for
+from tests.e2e.test_service import Service
 from tests.prom import Prometheus, free_port, get, tool, wait_until
-from tests.test_service import Service
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 

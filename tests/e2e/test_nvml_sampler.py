@@ -16,7 +16,8 @@ from tests.fakes.build import FakeNvml, write_scenario
 PRELUDE = """\
 import dataclasses, json, os, time
 from pathlib import Path
-from perfmon.probes.nvml import NoSuchGpu, NvmlSampler, NvmlUnavailable
+from perfmon.probes.gpu_sampling import NvmlSampler
+from perfmon.probes.nvml import NoSuchGpu, NvmlUnavailable
 from perfmon.probes.xid import XidEventWatcher
 
 def dump(obj):

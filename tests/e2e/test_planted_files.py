@@ -29,7 +29,7 @@ from perfmon.agent.record.replay import rebuild_from_event_log
 from perfmon.agent.record.runs import SummaryCache
 
 from tests import eventlogs
-from tests.test_security import as_job_user, job_user, other_user  # noqa: F401
+from tests.e2e.test_security import as_job_user, job_user, other_user  # noqa: F401
 
 AGENT = Path(sys.executable).parent / "perfmon-agent"
 JOB_ID = "job-36"

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.conftest import TRAIN_GPT, load_summary, wait_for
-from tests.test_attach_gpu import TRAIN_FAKE_CUDA
+from tests.e2e.test_attach_gpu import TRAIN_FAKE_CUDA
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 

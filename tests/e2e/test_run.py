@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TRAIN_GPT, Target, load_summary, wait_for
-from tests.test_fail_slow import own_change_pct
-from tests.test_security import job_user  # noqa: F401  (the unprivileged job user)
+from tests.e2e.test_fail_slow import own_change_pct
+from tests.e2e.test_security import job_user  # noqa: F401  (the unprivileged job user)
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-from tests.test_elf_hostile import sparse_elf
-from tests.test_security import other_user  # noqa: F401  (an ordinary user)
-from tests.test_service import Service, summaries
-from tests.test_service_users import UserJobs
+from tests.e2e.test_security import other_user  # noqa: F401  (an ordinary user)
+from tests.e2e.test_service import Service, summaries
+from tests.e2e.test_service_users import UserJobs
+from tests.unit.parsers.test_elf_symbols_hostile import sparse_elf
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 
-DEEP_STACKS = Path(__file__).parent / "targets" / "deep_stacks.py"
+DEEP_STACKS = Path(__file__).resolve().parents[1] / "targets" / "deep_stacks.py"
 LIMIT_BYTES = 512 << 20
 # What of py-spy's output is left out to keep the agent's memory bounded (docs/metrics.md).
 CUT_COUNTERS = ("windows_cut", "dumps_cut", "threads_cut", "stacks_cut", "names_cut",

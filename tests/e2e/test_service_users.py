@@ -32,9 +32,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import TRAIN_GPT, _reap, wait_for
+from tests.e2e.test_security import job_user, other_user  # noqa: F401  (the two users)
+from tests.e2e.test_service import SCAN_S, TAG, Service, ended, rank_pids, record, summaries
 from tests.prom import free_port
-from tests.test_security import job_user, other_user  # noqa: F401  (the two users)
-from tests.test_service import SCAN_S, TAG, Service, ended, rank_pids, record, summaries
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 

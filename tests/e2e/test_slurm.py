@@ -29,9 +29,9 @@ import pytest
 
 from tests import eventlogs
 from tests.conftest import SUMMARY_SCHEMA, TRAIN_GPT, _reap, wait_for
+from tests.e2e.test_security import job_user  # noqa: F401  (the unprivileged job user)
+from tests.e2e.test_service import Service
 from tests.prom import free_port
-from tests.test_security import job_user  # noqa: F401  (the unprivileged job user)
-from tests.test_service import Service
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 

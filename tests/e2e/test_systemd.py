@@ -1,5 +1,7 @@
 """The systemd unit and `make install`: systemd-analyze verifies the unit as installed, rates
-its sandbox at most MEDIUM exposure, and install/uninstall leave what they say."""
+its sandbox at most MEDIUM exposure, and install/uninstall leave what they say. (The unit's
+capabilities against docs/service.md: tests/unit/test_systemd.py; the example config:
+tests/unit/agent/daemon/test_config.py.)"""
 
 from __future__ import annotations
 
@@ -9,9 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from perfmon.agent.daemon.config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "perfmon-agent.service"
 EXAMPLE_CONFIG = ROOT / "systemd" / "config.yaml"
 SERVICE_DOC = ROOT / "docs" / "service.md"
@@ -73,23 +74,6 @@ def test_the_unit_as_shipped_is_the_installed_one_with_the_default_paths(install
     installed_text = (installed["UNITDIR"] / "perfmon-agent.service").read_text()
     assert shipped.replace("/opt/perfmon-agent", str(installed["PREFIX"])).replace(
         "/etc/perfmon-agent", str(installed["SYSCONFDIR"])) == installed_text
-
-
-def test_every_capability_of_the_unit_is_explained_in_the_docs() -> None:
-    text = UNIT.read_text()
-    [bounding] = re.findall(r"^CapabilityBoundingSet=(.*)$", text, re.M)
-    [ambient] = re.findall(r"^AmbientCapabilities=(.*)$", text, re.M)
-    assert bounding.split() == ambient.split()
-    doc = SERVICE_DOC.read_text()
-    for capability in bounding.split():
-        assert re.search(rf"^\|[^\n]*`{capability}`[^\n]*\|", doc, re.M), capability
-
-
-def test_the_example_config_is_valid_and_gives_the_defaults() -> None:
-    example = load_config(EXAMPLE_CONFIG)
-    defaults = load_config(None)
-    assert example.__dict__ == {**defaults.__dict__, "metrics_address": "127.0.0.1:9464",
-                                "attach": example.attach}
 
 
 def test_uninstall_removes_the_venv_and_the_unit_but_keeps_the_config(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from tests import eventlogs
 from tests.conftest import load_summary
-from tests.test_report import node_log, shifted
+from tests.e2e.test_report import node_log, shifted
 
 
 def _trace(*args: str) -> subprocess.CompletedProcess:

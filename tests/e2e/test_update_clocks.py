@@ -21,7 +21,7 @@ from tests.conftest import load_summary
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 
-VARIANTS = Path(__file__).resolve().parent / "targets" / "train_variants.py"
+VARIANTS = Path(__file__).resolve().parents[1] / "targets" / "train_variants.py"
 
 # name: (the job's arguments, backward passes per update, how the agent ends an update)
 SHAPES = {

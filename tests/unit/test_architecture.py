@@ -20,7 +20,7 @@ from perfmon.agent.reducers import Summarizer
 
 from tests.eventlogs import write_log
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"agent": "perfmon.agent", "probes": "perfmon.probes", "parsers": "perfmon.parsers"}
 # Modules hold one concept each, however long (split by meaning, never by a count);
 # a function longer than this is doing several things.

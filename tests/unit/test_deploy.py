@@ -13,7 +13,7 @@ import yaml
 from perfmon.agent.cli import build_parser
 from perfmon.agent.daemon.config import parse_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "docs" / "deploy"
 
 

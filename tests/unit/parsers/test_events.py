@@ -22,7 +22,7 @@ from perfmon.parsers.step_rows import decode_steps
 _STEPS = Steps.encode(1, [(7, 1, 2, 30, 4, 0, 0, 1, 1), (7, 9, 2, 5, 1, 1, 4, 3, 8)],
                       ["uprobe", "optimizer_frame"])
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "events.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "events.md"
 
 
 def test_the_docs_table_is_the_one_the_record_classes_generate():

@@ -16,7 +16,7 @@ from perfmon.parsers.exit_causes import (
     signal_name,
 )
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def tail(name: str) -> str:

@@ -1,5 +1,6 @@
 """A job's identity from its variables and its cgroup path: Slurm, torchrun, Kubernetes
-(parsers only; the real daemons and cgroups: test_slurm.py, test_kubernetes.py)."""
+(parsers only; the real daemons and cgroups: tests/e2e/test_slurm.py and
+test_kubernetes.py)."""
 
 from __future__ import annotations
 

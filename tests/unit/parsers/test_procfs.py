@@ -10,7 +10,7 @@ from pathlib import Path
 
 from perfmon.parsers import procfs
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def test_maps_finds_libtorch_and_drops_anonymous_mappings():

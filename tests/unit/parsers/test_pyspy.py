@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from perfmon.parsers.pyspy import PySpyOutputError, parse_chrometrace, parse_dump
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 TRACE = (DATA / "pyspy_chrometrace_train_gpt.json").read_bytes()
 ORIGIN_NS = 5_000_000_000
 

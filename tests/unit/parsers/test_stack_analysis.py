@@ -1,5 +1,5 @@
 """Stack analysis on py-spy output captured from tests/targets/train_gpt.py (see
-test_pyspy_parsers.py for how each file was taken), plus stacks built from the
+test_pyspy.py for how each file was taken), plus stacks built from the
 same real frame names and paths for the cases train_gpt.py does not run."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from perfmon.parsers.stack_analysis import (
     phase_durations_ns,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 SITE = "/venv/lib/python3.11/site-packages"
 TRAIN = Frame("train", "/job/train.py", 40)
 MODULE = Frame("<module>", "/job/train.py", 99)

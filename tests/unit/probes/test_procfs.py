@@ -7,7 +7,8 @@ ended "target_exited" 0.3 s after attaching, both ranks alive, and the ledger ch
 a restart that never happened). psutil's ``create_time`` is ``btime + ticks / HZ``.
 
 The captured files (tests/data/proc_pid_stat_python.txt, proc_stat_host.txt) are a
-sleeping Python process's /proc/PID/stat and its host's /proc/stat.
+sleeping Python process's /proc/PID/stat and its host's /proc/stat. (A real child:
+tests/e2e/test_process_identity.py.)
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from hypothesis import given
@@ -24,7 +23,7 @@ from hypothesis import strategies as st
 from perfmon.parsers import procfs as parse
 from perfmon.probes import procfs
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 CAPTURED_STAT = (DATA / "proc_pid_stat_python.txt").read_text()
 CAPTURED_PID = int(CAPTURED_STAT.split()[0])
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -75,21 +74,3 @@ def test_another_start_time_on_the_pid_is_gone_and_a_zombie_is_one(tmp_path):
     assert procfs.process_state(target, str(tmp_path / "d")) == "gone"  # reaped
     torn = _proc_root(tmp_path / "e", 0, "6260 (python3")  # a read that is not a stat line
     assert procfs.process_state(target, torn) == "unknown"
-
-
-def test_a_real_child_is_running_until_it_exits_and_then_gone():
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)
-    try:
-        stat = parse.parse_stat(Path(f"/proc/{child.pid}/stat").read_text())
-        target = procfs.TargetProcess(child.pid, "python", [], {}, "", 0.0,
-                                      start_ticks=stat.start_ticks)
-        assert procfs.is_running(target)
-        assert child.stdin is not None
-        child.stdin.close()
-        child.wait(timeout=30)
-        assert not procfs.is_running(target)
-        assert procfs.process_state(target) == "gone"
-    finally:
-        child.kill()
-        child.wait()

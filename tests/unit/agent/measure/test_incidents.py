@@ -1,6 +1,6 @@
 """Incident bundles' bounds: at most MAX_PER_SESSION a session, at most MAX_KEPT in a
 folder (only this agent's removed), each with its files (real bundles on real jobs:
-test_goodput_jobs.py and test_stragglers.py)."""
+tests/e2e/test_goodput_jobs.py and tests/e2e/test_stragglers.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from perfmon.agent.record.outputs import OutputDir
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.events import GpuSamples
 
-from tests.test_trace import _load as trace_events
+from tests.e2e.test_trace import _load as trace_events
 
 S = 1_000_000_000
 FACTS = {"workload": {}, "primary_pid": 4242, "pids": [4242], "ranks": [0],

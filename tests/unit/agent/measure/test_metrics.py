@@ -1,16 +1,16 @@
 """Prometheus exposition (perfmon.agent.measure.metrics): the samples the real prometheus_client
 writes, unknown figures left out, finished jobs leaving nothing, the HTTP endpoint and
-its errors, a real Prometheus scraping it (with the rules loaded), promtool on the
-rules, and the dashboard using only metrics the agent defines."""
+its errors, and the rules and the dashboard using only metrics the agent defines.
+(promtool and a real Prometheus: tests/e2e/test_metrics.py.)"""
 
 from __future__ import annotations
 
 import json
 import re
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,13 @@ from perfmon.agent.measure.metrics import (
     MetricsAddressError,
     parse_address,
 )
+from perfmon.parsers.figures import FailSlowNow, IntervalFigures, RankFigures, Statistics
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.prom import Prometheus, get, tool, wait_until
+from tests.prom import get
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[4]
 RULES = ROOT / "docs" / "prometheus" / "rules.yml"
 DASHBOARD = ROOT / "docs" / "prometheus" / "grafana-dashboard.json"
 DOC = ROOT / "docs" / "prometheus.md"
@@ -54,61 +55,34 @@ def names_with(samples: dict[tuple[str, Labels], float], **labels: str) -> set[s
     return {name for name, lbls in samples if want <= lbls}
 
 
-ENTRY: dict[str, Any] = {
-    "iteration": 20, "step_time_ms": 200.0, "tokens_per_sec": 5120.0,
-    "samples_per_sec": 40.0, "TFLOPS_per_GPU": 120.0, "memory_GB": 2.5,
-    "gpu_utilization_pct": 87.0, "gpu_power_w": 310.0,
-    "gpu_throttle_reasons": ["sw_power_cap", "hw_slowdown"],
-}
+RANKS = (RankFigures(pid=4242, rank=0, compute_s=0.10, wait_s=0.10, straggler=False),
+         RankFigures(pid=4243, rank=1, compute_s=0.15, wait_s=0.05, straggler=True))
+ENTRY = IntervalFigures(
+    iteration=20, timestamp="2026-12-05T10:00:00+00:00", step_s=0.2, tokens_per_s=5120.0,
+    samples_per_s=40.0, flops_per_gpu=120e12, mfu=0.3, memory_bytes=2.5 * GIB,
+    gpu_utilization=0.87, gpu_power_w=310.0,
+    gpu_throttle_reasons=("sw_power_cap", "hw_slowdown"), ranks=RANKS)
+UNKNOWN = IntervalFigures(iteration=30, timestamp="2026-12-05T10:00:10+00:00", step_s=0.024,
+                          flops_per_gpu=None, tokens_per_s=None, samples_per_s=None,
+                          memory_bytes=None)
 
 
-def final_statistics(**changes: Any) -> dict[str, Any]:
-    """A final_statistics as the Summarizer gives it (the keys Metrics reads)."""
-    fs: dict[str, Any] = {
-        "avg_tflops_per_gpu": 100.0, "mfu": 0.25, "memory_kind": "gpu",
-        "peak_memory_gb": 3.0,
-        "ranks": [
-            {"pid": 4242, "peak_rss_gb": 1.5, "peak_gpu_memory_gb": 3.0, "gpu_indices": [0]},
-            {"pid": 4243, "peak_rss_gb": 1.25, "peak_gpu_memory_gb": None, "gpu_indices": []},
-        ],
-        "gpu_events": [
-            {"type": "xid", "gpu_index": 0, "xid": 79},
-            {"type": "xid", "gpu_index": 1, "xid": 31},
-            {"type": "gpu_lost", "gpu_index": 1, "error": "GPU is lost"},
-            {"type": "bogus", "gpu_index": 1},
-        ],
-        "data_quality": {
-            "sources": {
-                "uprobes": {"events": 1200, "events_dropped": 7},
-                "nvml": {"samples": 30, "missed_slots": 0, "unsupported_fields": 2},
-                "pyspy": {"samples": 900, "sampling_errors": 3, "last_error": "x"},
-                # (the iteration clock's own, derived by the reducers)
-                "iterations": {"measured": 40, "none_measured": 0, "ends_estimated": 40},
-            },
-            "losses": ["uprobes: events_dropped 7 (...)"],
-        },
-        "hangs": [],
-        "goodput": {
-            "ratio": 0.9, "gpus": 2, "wall_seconds": 100.0, "productive_seconds": 90.0,
-            "lost_seconds": {"startup": 4.0, "hang": 0.0, "restart": 0.0, "straggler": 2.0,
-                             "slowdown": 3.0, "data_stall": 0.0, "unexplained": 1.0},
-            "job": {"ratio": 0.8, "gpus": 2, "wall_seconds": 200.0, "productive_seconds": 160.0,
-                    "lost_seconds": {"startup": 4.0, "hang": 10.0, "restart": 20.0,
-                                     "straggler": 2.0, "slowdown": 3.0, "data_stall": 0.0,
-                                     "unexplained": 1.0}}},
-        "fail_slow": [
-            {"event": "fail_slow", "before_step_time_ms": 100.0, "after_step_time_ms": 150.0,
-             "baseline_step_time_ms": 100.0, "phases": None},
-            {"event": "recovered", "before_step_time_ms": 150.0, "after_step_time_ms": 101.0,
-             "baseline_step_time_ms": 100.0, "phases": []},
-            {"event": "fail_slow", "before_step_time_ms": 101.0, "after_step_time_ms": 130.0,
-             "baseline_step_time_ms": 100.0,
-             "phases": [{"phase": "forward", "before_ms": 40.0, "after_ms": 68.0,
-                         "delta_ms": 28.0}]},
-        ],
-    }
-    fs.update(changes)
-    return fs
+def final_statistics(**changes: Any) -> Statistics:
+    """The figures of a session as the Summarizer gives them (those Metrics reads)."""
+    stats = Statistics(
+        flops_per_gpu=100e12, mfu=0.25, memory_kind="gpu", peak_memory_bytes=3.0 * GIB,
+        ranks=(RankFigures(pid=4242, rank=0, peak_rss_bytes=int(1.5 * GIB),
+                           peak_gpu_memory_bytes=3 * GIB, gpu_indices=(0,)),
+               RankFigures(pid=4243, rank=1, peak_rss_bytes=int(1.25 * GIB))),
+        gpu_event_counts={"xid": 2, "ecc": 0, "gpu_lost": 1, "bogus": 4},
+        losses={("uprobes", "events_dropped"): 7.0, ("nvml", "missed_slots"): 0.0,
+                ("pyspy", "sampling_errors"): 3.0, ("iterations", "none_measured"): 0.0,
+                ("iterations", "ends_estimated"): 40.0},
+        goodput_ratio=0.8,
+        lost_s={"startup": 4.0, "hang": 10.0, "restart": 20.0, "straggler": 2.0,
+                "slowdown": 3.0, "data_stall": 0.0, "unexplained": 1.0},
+        fail_slow_now=FailSlowNow(1.3, "forward"))
+    return replace(stats, **changes)
 
 
 SCHEDULER = {"slurm_job_id": "4242", "namespace": "ml", "pod": "trainer-0"}
@@ -129,11 +103,7 @@ def feed(metrics: Metrics, job: str = "llama", host: str = "node-a") -> None:
     for step_s in (0.2, 0.2, 0.3, 0.05):
         metrics.iteration(job, step_s)
     metrics.interval(job, ENTRY)
-    metrics.statistics(job, final_statistics(), hung=False)
-    metrics.rank_values(job, 0, 4242, {"compute_seconds": 0.10, "wait_seconds": 0.10,
-                                       "straggler": 0.0})
-    metrics.rank_values(job, 1, 4243, {"compute_seconds": 0.15, "wait_seconds": 0.05,
-                                       "straggler": 1.0})
+    metrics.statistics(job, final_statistics())
     metrics.agent(cpu_seconds_total=12.5, resident_bytes=150_000_000, jobs=1)
 
 
@@ -172,7 +142,7 @@ def test_interval_and_statistics_in_prometheus_units(metrics: Metrics) -> None:
     assert value(s, "perfmon_tokens_per_second", **job) == 5120
     assert value(s, "perfmon_samples_per_second", **job) == 40
     assert value(s, "perfmon_tflops_per_gpu", **job) == 120
-    # The peak is avg TFLOPS / MFU = 400; the interval's 120 TFLOPS make 0.3.
+    # The interval's MFU (the whole run's would hide a drop).
     assert value(s, "perfmon_mfu_ratio", **job) == pytest.approx(0.3)
     assert value(s, "perfmon_gpu_utilization_ratio", **job) == pytest.approx(0.87)
     assert value(s, "perfmon_gpu_power_watts", **job) == 310
@@ -189,7 +159,7 @@ def test_interval_and_statistics_in_prometheus_units(metrics: Metrics) -> None:
     assert value(s, "perfmon_gpu_events_total", type="gpu_lost", **job) == 1
     assert value(s, "perfmon_gpu_events_total", type="ecc", **job) == 0
     assert value(s, "perfmon_gpu_events_total", type="bogus", **job) is None
-    # Loss counters only (0 included); volumes and strings are not losses.
+    # The loss counters (0 included) as the reducers give them.
     losses = {(dict(lbls)["source"], dict(lbls)["counter"]): v for (name, lbls), v in s.items()
               if name == "perfmon_data_quality_losses"}
     assert losses == {("uprobes", "events_dropped"): 7, ("nvml", "missed_slots"): 0,
@@ -221,63 +191,48 @@ def test_interval_and_statistics_in_prometheus_units(metrics: Metrics) -> None:
 def test_fail_slow_ratio_while_an_episode_is_open_and_none_once_it_recovered(
         metrics: Metrics) -> None:
     feed(metrics)
-    events = final_statistics()["fail_slow"]
-    unresolved = [{**events[0], "phases": None}]  # phases not known yet
-    metrics.statistics("llama", final_statistics(fail_slow=unresolved), hung=False)
+    metrics.statistics("llama", final_statistics(fail_slow_now=FailSlowNow(1.5, "unknown")))
     s = exposed(metrics)
     assert value(s, "perfmon_fail_slow_ratio", phase="unknown", **LLAMA) == 1.5
     assert [lbls for name, lbls in s if name == "perfmon_fail_slow_ratio"] == [
         frozenset({**LLAMA, "phase": "unknown"}.items())]
-    metrics.statistics("llama", final_statistics(fail_slow=events[:2]), hung=False)
+    metrics.statistics("llama", final_statistics(fail_slow_now=None))
     s = exposed(metrics)
     assert value(s, "perfmon_fail_slow_active", **LLAMA) == 0
     assert "perfmon_fail_slow_ratio" not in names_with(s, job="llama")
     # A phase outside the fixed set is "unknown" (the label set stays bounded).
-    odd = [{**events[2], "phases": [{"phase": "x" * 500}]}]
-    metrics.statistics("llama", final_statistics(fail_slow=odd), hung=False)
+    metrics.statistics("llama", final_statistics(fail_slow_now=FailSlowNow(1.3, "x" * 500)))
     assert value(exposed(metrics), "perfmon_fail_slow_ratio", phase="unknown", **LLAMA) == 1.3
-
-
-def test_promtool_unit_tests_of_the_rules_pass() -> None:
-    """docs/prometheus/rules_test.yml: healthy jobs of 2 and 3 hosts get no alert; a slow
-    host (of 2 and of 3), a straggler rank and a fail-slow episode get theirs, and the
-    fail-slow one ends with the episode."""
-    result = subprocess.run([tool("promtool"), "test", "rules", "rules_test.yml"],
-                            cwd=RULES.parent, capture_output=True, text=True, timeout=60,
-                            check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS" in result.stdout
 
 
 def test_hung_is_one_while_hung(metrics: Metrics) -> None:
     feed(metrics)
-    metrics.statistics("llama", final_statistics(), hung=True)
+    metrics.statistics("llama", final_statistics(hung=True))
     assert value(exposed(metrics), "perfmon_hung", **LLAMA) == 1
 
 
 def test_unknown_figures_have_no_sample(metrics: Metrics) -> None:
     """None or absent is no sample, never 0; a figure that becomes unknown loses it."""
     start_job(metrics)
-    metrics.interval("llama", {"step_time_ms": 24.0, "tokens_per_sec": None,
-                               "TFLOPS_per_GPU": None, "memory_GB": 0.5})
-    metrics.statistics("llama", final_statistics(mfu=None, avg_tflops_per_gpu=None,
-                                                 memory_kind="rss", gpu_events=[]), hung=False)
-    metrics.rank_values("llama", 0, 4242, {"wait_seconds": None, "made_up_seconds": 3.0})
+    metrics.interval("llama", replace(UNKNOWN, memory_bytes=GIB / 2, ranks=(
+        RankFigures(pid=4242, rank=0, wait_s=None, compute_s=None),)))
+    metrics.statistics("llama", final_statistics(mfu=None, flops_per_gpu=None,
+                                                 memory_kind="rss", gpu_event_counts={}))
     s = exposed(metrics)
     present = names_with(s, job="llama")
     for name in ("perfmon_tokens_per_second", "perfmon_samples_per_second",
                  "perfmon_tflops_per_gpu", "perfmon_mfu_ratio", "perfmon_gpu_utilization_ratio",
                  "perfmon_gpu_power_watts", "perfmon_gpu_throttled", "perfmon_rank_wait_seconds",
-                 "perfmon_rank_made_up_seconds"):
+                 "perfmon_rank_compute_seconds"):
         assert name not in present, name
     assert value(s, "perfmon_job_memory_bytes", **LLAMA, kind="rss") == GIB / 2
     assert value(s, "perfmon_agent_cpu_seconds_total", host="node-a") is None  # not told yet
 
     # Known, then unknown again: the sample goes (a stale figure is not shown as current).
     metrics.interval("llama", ENTRY)
-    metrics.statistics("llama", final_statistics(), hung=False)
+    metrics.statistics("llama", final_statistics())
     assert value(exposed(metrics), "perfmon_mfu_ratio", **LLAMA) == 0.3
-    metrics.interval("llama", {"step_time_ms": 24.0})
+    metrics.interval("llama", UNKNOWN)
     present = names_with(exposed(metrics), job="llama")
     assert {"perfmon_tokens_per_second", "perfmon_mfu_ratio", "perfmon_gpu_throttled",
             "perfmon_gpu_power_watts", "perfmon_job_memory_bytes"}.isdisjoint(present)
@@ -285,9 +240,9 @@ def test_unknown_figures_have_no_sample(metrics: Metrics) -> None:
 
 def test_job_memory_waits_for_the_memory_kind(metrics: Metrics) -> None:
     start_job(metrics)
-    metrics.interval("llama", {"memory_GB": 1.0})
+    metrics.interval("llama", replace(UNKNOWN, memory_bytes=float(GIB)))
     assert "perfmon_job_memory_bytes" not in names_with(exposed(metrics), job="llama")
-    metrics.statistics("llama", final_statistics(memory_kind="rss"), hung=False)
+    metrics.statistics("llama", final_statistics(memory_kind="rss"))
     assert value(exposed(metrics), "perfmon_job_memory_bytes", **LLAMA,
                  kind="rss") == GIB
 
@@ -295,7 +250,7 @@ def test_job_memory_waits_for_the_memory_kind(metrics: Metrics) -> None:
 def test_throttle_reason_reads_zero_once_gone(metrics: Metrics) -> None:
     start_job(metrics)
     metrics.interval("llama", ENTRY)
-    metrics.interval("llama", {**ENTRY, "gpu_throttle_reasons": ["hw_slowdown"]})
+    metrics.interval("llama", replace(ENTRY, gpu_throttle_reasons=("hw_slowdown",)))
     s = exposed(metrics)
     job = {"job": "llama", "host": "node-a", "user": "alice"}
     assert value(s, "perfmon_gpu_throttled", reason="sw_power_cap", **job) == 0
@@ -318,9 +273,10 @@ def test_a_sessions_scheduler_names_become_bounded_labels_of_its_info(metrics: M
 
 def test_ranks_without_rank_are_labelled_by_pid(metrics: Metrics) -> None:
     metrics.job_started("solo", "node-a", [None], user="alice")
-    metrics.rank_values("solo", None, 777, {"straggler": 0.0})
+    metrics.interval("solo", replace(ENTRY, ranks=(
+        RankFigures(pid=777, rank=None, straggler=False),)))
     metrics.statistics("solo", final_statistics(
-        ranks=[{"pid": 777, "peak_rss_gb": 1.0, "peak_gpu_memory_gb": None}]), hung=False)
+        ranks=(RankFigures(pid=777, rank=None, peak_rss_bytes=GIB),)))
     s = exposed(metrics)
     assert value(s, "perfmon_rank_straggler", **SOLO, rank="pid:777") == 0
     assert value(s, "perfmon_memory_bytes", **SOLO, rank="pid:777",
@@ -345,15 +301,14 @@ def test_job_finished_removes_every_series_of_that_job_only(metrics: Metrics) ->
     # Late calls about the finished job cannot bring its series back.
     metrics.iteration("job-a", 0.1)
     metrics.interval("job-a", ENTRY)
-    metrics.statistics("job-a", final_statistics(), hung=True)
-    metrics.rank_values("job-a", 0, 1, {"straggler": 1.0})
+    metrics.statistics("job-a", final_statistics(hung=True))
     assert not [k for k in exposed(metrics) if ("job", "job-a") in k[1]]
 
 
 def test_statistics_replace_ranks_that_left(metrics: Metrics) -> None:
     feed(metrics)
-    metrics.statistics("llama", final_statistics(ranks=[
-        {"pid": 4242, "peak_rss_gb": 2.0, "peak_gpu_memory_gb": None}]), hung=False)
+    metrics.statistics("llama", final_statistics(ranks=(
+        RankFigures(pid=4242, rank=0, peak_rss_bytes=2 * GIB),)))
     memory = {k for k in exposed(metrics) if k[0] == "perfmon_memory_bytes"}
     assert memory == {("perfmon_memory_bytes", frozenset(
         {"job": "llama", "host": "node-a", "user": "alice", "rank": "0", "kind": "rss"}.items()))}
@@ -370,7 +325,7 @@ def test_calls_are_cheap(metrics: Metrics) -> None:
     t0 = time.process_time()
     for _ in range(1_000):
         metrics.interval("llama", ENTRY)
-        metrics.statistics("llama", fs, hung=False)
+        metrics.statistics("llama", fs)
     per_interval_s = (time.process_time() - t0) / 1_000
     # ~1-2 us and ~20 us on the 2-vCPU VM; the bounds leave room for a loaded machine.
     assert per_iteration_s < 50e-6, per_iteration_s
@@ -445,13 +400,6 @@ def defined_names() -> tuple[set[str], set[str]]:
     return samples, documented
 
 
-def test_promtool_accepts_the_rules() -> None:
-    result = subprocess.run([tool("promtool"), "check", "rules", str(RULES)],
-                            capture_output=True, text=True, timeout=60, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS" in result.stdout
-
-
 def _expressions_of(panels: list[dict[str, Any]]) -> Iterator[str]:
     for panel in panels:
         yield from (t["expr"] for t in panel.get("targets", []))
@@ -494,74 +442,3 @@ def test_every_metric_is_documented() -> None:
 
 
 # -- a real Prometheus --------------------------------------------------------------------------
-
-def test_real_prometheus_scrapes_the_metrics_and_runs_the_rules(tmp_path: Path) -> None:
-    binary = tool("prometheus")
-    metrics = Metrics(host="node-a")
-    prometheus: Prometheus | None = None
-    try:
-        _, port = metrics.serve("127.0.0.1:0")
-        metrics.job_started("llama-test", "node-a", [0, 1], pids=[4242, 4243], user="alice")
-        metrics.agent(cpu_seconds_total=1.0, resident_bytes=40_000_000, jobs=1)
-        prometheus = Prometheus(binary, tmp_path, [f"127.0.0.1:{port}"])
-        prometheus.wait_ready()
-        job = 'job="llama-test"'
-        # A first scrape with the counters at 0, so that rate() sees the iterations below.
-        wait_until(lambda: prometheus.values(f"perfmon_iterations_total{{{job}}}") == [0.0],
-                   30, "the first scrape")
-
-        for _ in range(40):
-            metrics.iteration("llama-test", 0.2)
-        metrics.interval("llama-test", ENTRY)
-        metrics.statistics("llama-test", final_statistics(), hung=True)
-        # A scrape is one snapshot and statistics() came last: once hung is 1, all is in.
-        wait_until(lambda: prometheus.values(f"perfmon_hung{{{job}}}") == [1.0],
-                   30, "a scrape with everything fed")
-        assert prometheus.values(f"perfmon_iterations_total{{{job}}}") == [40.0]
-
-        # The agent's job label survived (honor_labels) next to its host label.
-        [series] = prometheus.query(f"perfmon_iterations_total{{{job}}}")
-        assert series["metric"]["host"] == "node-a"
-        # All 40 steps of 0.2 s lie in the bucket (0.178, 0.316]: Prometheus interpolates
-        # the median halfway into it.
-        p50 = prometheus.values("histogram_quantile(0.5, "
-                                f"rate(perfmon_step_time_seconds_bucket{{{job}}}[1m]))")
-        assert p50 == [pytest.approx(0.178 + (0.316 - 0.178) / 2)]
-        assert prometheus.values(f"perfmon_mfu_ratio{{{job}}}") == [pytest.approx(0.3)]
-        assert prometheus.values(f"perfmon_tokens_per_second{{{job}}}") == [5120.0]
-        assert prometheus.values(
-            f'perfmon_memory_bytes{{{job},rank="0",kind="gpu"}}') == [3.0 * GIB]
-        assert prometheus.values(f"perfmon_gpu_utilization_ratio{{{job}}}") == [
-            pytest.approx(0.87)]
-        # The agent's own series have no job label: they get the scrape job's.
-        assert prometheus.values('perfmon_agent_resident_memory_bytes{job="perfmon"}') == [
-            40_000_000.0]
-
-        # The rules file, loaded by the server, records and alerts on these series.
-        wait_until(lambda: prometheus.values(
-            f"job:perfmon_tokens_per_second:avg{{{job}}}") == [5120.0], 30, "recording rules")
-        assert prometheus.values(f"job:perfmon_step_time_seconds:p50_5m{{{job}}}") == [
-            pytest.approx(0.247)]
-        wait_until(lambda: bool(prometheus.query(
-            f'ALERTS{{alertname="PerfmonJobHung",alertstate="firing",{job}}}')),
-            30, "PerfmonJobHung to fire")
-        wait_until(lambda: bool(prometheus.query(
-            f'ALERTS{{alertname="PerfmonGpuLost",alertstate="firing",{job}}}')),
-            30, "PerfmonGpuLost to fire")
-
-        # Every dashboard expression is valid PromQL for this server.
-        for expr in _expressions_of(json.loads(DASHBOARD.read_text())["panels"]):
-            prometheus.query(expr.replace("$__rate_interval", "1m")
-                             .replace("$job", ".*").replace("$host", ".*"))
-
-        # A finished job leaves nothing: its series go stale at the next scrape.
-        metrics.job_finished("llama-test")
-        wait_until(lambda: not prometheus.query(f'{{__name__=~"perfmon_.+",{job}}}'),
-                   30, "the finished job's series to go")
-        assert prometheus.values('perfmon_agent_resident_memory_bytes{job="perfmon"}') == [
-            40_000_000.0]
-    finally:
-        if prometheus is not None:
-            prometheus.stop()
-        metrics.close()
-    assert prometheus.proc.returncode is not None

@@ -1,6 +1,7 @@
 """The goodput ledger on exact streams: every second of the wall time in one place, each
 cause as injected; its window (attach or process start) and sessions that saw no
-iteration (unobserved) over generated sessions (real jobs: test_goodput_jobs.py)."""
+iteration (unobserved) over generated sessions (real jobs:
+tests/e2e/test_goodput_jobs.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from perfmon.agent.reducers.goodput import (
     recorded_ledger,
 )
 from perfmon.agent.reducers.pace import STALL_MIN_NS, STALL_PACES
+from perfmon.parsers.figures import StragglerEpisode, render
 
 from tests.eventlogs import START_NS, session_facts
 
@@ -62,7 +64,7 @@ class Stream:
                hung: bool = False, first_job_iteration: int | None = None,
                exited: bool = False) -> dict:
         self.failslow.resolve([], True)
-        return self.goodput.summary(end_ns or self.t, self.failslow.summary(),
+        return self.goodput.summary(end_ns or self.t, self.failslow.events,
                                     stragglers or [], hung, first_job_iteration, exited=exited)
 
 
@@ -109,7 +111,8 @@ def test_a_hang_a_slowdown_and_a_straggler_each_in_its_place():
     s.steps(60, 100)
     straggler_from = s.t
     s.steps(30, 125)  # a rank 25 ms slower a step for 30 s: the job's step grows by it
-    episode = {"since_mono_ns": straggler_from, "until_mono_ns": s.t, "delay_ms_per_step": 25.0}
+    episode = StragglerEpisode(pid=1, rank=1, since_ns=straggler_from, until_ns=s.t,
+                               delay_per_step_s=0.025)
     s.steps(40, 100)
     ledger = s.ledger(stragglers=[episode])
     _adds_up(ledger)
@@ -294,7 +297,7 @@ def test_the_session_says_who_started_it_and_older_logs_replay_as_before():
         assert summarizer.goodput.attach_only is attach_only
         summarizer.feed({"type": "session_end", "t_mono_ns": START_NS + 30 * S,
                          "reason": "duration"})
-        goodput = summarizer.final_statistics()["goodput"]
+        goodput = render(summarizer.statistics())["goodput"]
         assert goodput["ratio"] is None and goodput["unobserved_seconds"] == 30, goodput
         assert goodput["lost_seconds"]["startup"] == 0
 

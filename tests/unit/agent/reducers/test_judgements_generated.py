@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.events import Steps
+from perfmon.parsers.figures import render
 
 from tests.eventlogs import PID, START_NS, session_facts
 from tests.step_streams import FAMILIES, Case, judge, run_family, stream
@@ -21,6 +22,7 @@ EXAMPLES = 500
 FALSE_ALARM_RATE = 0.02
 
 
+@pytest.mark.slow  # ~25 s for the five families: left out of `make test-fast`
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_generated_case_of_the_family_holds_its_truth(family: str) -> None:
     report = run_family(family, EXAMPLES)
@@ -51,7 +53,7 @@ def _summarized(case: Case) -> tuple[dict, list[dict]]:
             summarizer.feed({"type": "hang", "t_mono_ns": at, "last_iteration_mono_ns": since,
                              "threshold_s": 8.0, "frame": "f", "report": "r", "phase": phase})
     summarizer.feed({"type": "session_end", "t_mono_ns": fed.end_ns, "reason": "duration"})
-    stats = summarizer.final_statistics()
+    stats = render(summarizer.statistics())
     return stats["goodput"], stats["fail_slow"]
 
 
@@ -80,7 +82,7 @@ def judge_at(case: Case) -> tuple[dict, list[dict]]:
     from tests.step_streams import _feed
 
     fed = stream(case, START_NS)
-    ledger, events = _feed(fed, START_NS, None, None, attach_only=True)
+    ledger, events, _ = _feed(fed, START_NS, None, None, attach_only=True)
     return ledger, events
 
 

@@ -2,22 +2,22 @@
 jobs with stated truth: torch.optim's marker with or without clipping's gradient read
 before it, updates found only by their first gradient read, updates no probe sees
 (with and without --microbatches), any number of backward passes per update, and an
-attach anywhere in the stream. And the cross-check of the measured count against the
-job's own counter (perfmon.agent.reducers.iterations.JobNumbering.disagreement).
+attach anywhere in the stream. And each row's collective waits, measured only where the
+wait probes were on for its whole iteration.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from perfmon.agent.reducers.iterations import IterationClock
-from perfmon.agent.reducers.steps import LEARN_UPDATES, StepRows
-from perfmon.parsers.step_rows import decode_steps
-from perfmon.parsers.workload import Workload
+from perfmon.agent.reducers.ranks import RankTimes
+from perfmon.agent.reducers.steps import StepRows
 
 PID = 7
+MS = 1_000_000
 
 
 def _marker(t: int, kind: str, name: str = "") -> dict[str, Any]:
@@ -57,10 +57,9 @@ def _ends(markers: list[dict[str, Any]], start: int, declared: int | None) -> li
     rows = StepRows(start, declared)
     for m in markers:
         rows.feed(m)
-    steps = rows.take()
-    if steps is None:
+    block = rows.take()
+    if block is None:
         return []
-    block = decode_steps(steps.to_record())
     return block.end_ns.tolist()
 
 
@@ -118,134 +117,39 @@ def test_a_seen_update_keeps_its_own_clock_whatever_was_declared(k, n, declared,
         assert 1 <= len([e for e in ends if e <= seen[0]]) <= k // declared + 1
 
 
-@settings(max_examples=300, deadline=None)
-@given(n=st.integers(40, 200), period_us=st.integers(500, 50_000),
-       fault=st.sampled_from(["none", "split", "missed"]), every=st.integers(2, 5),
-       reads=st.lists(st.floats(0.05, 0.95), min_size=2, max_size=8),
-       read_ms=st.floats(0.05, 10), lag=st.floats(0.001, 0.9))
-def test_the_jobs_counter_disagrees_only_when_ends_were_split_or_missed(
-        n, period_us, fault, every, reads, read_ms, lag):
-    """The job counts its updates (its counter goes up ``lag`` of a step after each
-    boundary, as a loop that counts after its logging does); our
-    clock ends each one (none), also mid-way through every ``every``-th (split), or
-    misses every ``every``-th (missed). Reads of the counter at any times, each taking
-    ``read_ms``: disagreement 0 when the counts agree; when they drift by more than a
-    couple between the first read and the last, it is seen."""
-    period = period_us * 1000
-    clock = IterationClock(Workload(), PID, 0)
-    bounds = [(i + 1) * period for i in range(n)]
-    ends = []
-    for i, b in enumerate(bounds):
-        if fault == "split" and i % every == 0:
-            ends.append(b - period // 2)
-        if not (fault == "missed" and i % every == 1):
-            ends.append(b)
-    at = sorted(int(f * n * period) for f in reads)
-    window = int(read_ms * 1e6)
-    for t in at:
-        value = sum(1 for b in bounds if b + int(lag * period) <= t)
-        clock.job.on_read({"t_mono_ns": t, "end_mono_ns": t + window, "value": value,
-                           "name": "iteration"})
-    for end in ends:
-        clock.on_row(end, 1, "grad_read")
-    clock.job.resolve(None)
-    drift = sum(1 for e in ends if at[0] < e <= at[-1]) - sum(
-        1 for b in bounds if at[0] < b <= at[-1])
-    if fault == "none":
-        assert clock.job.disagreement == 0
-    elif abs(drift) >= 3 + 2 * window // period:
-        assert clock.job.disagreement > 0
+def _rank_marker(t: int, pid: int, kind: str, tid: int | None = None) -> dict:
+    return {"type": "marker", "t_mono_ns": t, "pid": pid, "tid": tid or pid, "kind": kind,
+            "name": ""}
 
 
-class _FakeGradProbe:
-    """The marker probe's gradient-read switch, as UpdateSampling drives it: reads are
-    delivered only while the probe is on."""
-
-    def __init__(self) -> None:
-        self.grad_read_pids = {PID}
-        self.grad_reads_on = {PID}
-        self.switches = 0
-
-    def set_grad_reads(self, pid: int, on: bool) -> None:
-        if on != (pid in self.grad_reads_on):
-            self.switches += 1
-            (self.grad_reads_on.add if on else self.grad_reads_on.discard)(pid)
-
-
-@settings(max_examples=150, deadline=None)
-@given(k1=st.integers(1, 4), k2=st.integers(1, 4), n=st.integers(60, 400),
-       change_at=st.integers(0, 399), step_ms=st.integers(5, 400),
-       polls=st.lists(st.integers(0, 2), min_size=8, max_size=8))
-def test_counted_updates_stay_one_end_each_and_a_changed_count_is_found(
-        k1, k2, n, change_at, step_ms, polls):
-    """A job of ``n`` updates of ``k1`` backward passes, ``k2`` from update
-    ``change_at`` on; the session's UpdateSampling learns K, counts, detaches the probe
-    and checks K again every RECHECK_S. Every update ends once, in the gap between its
-    last backward pass and the next update's first, except those between a change of K
-    and the check that finds it."""
-    from perfmon.agent.measure.update_sampling import CONFIRM, RECHECK_S, UpdateSampling
-
+def test_rows_outside_the_probed_windows_have_their_wait_unmeasured_and_the_means_skip_them():
+    # The probes on from attach, off from 150 ms, on again from 250 ms: only rows whose
+    # whole iteration lies inside a window have a wait; the totals carry on across.
     rows = StepRows(0)
-    probe = _FakeGradProbe()
-    sampling = UpdateSampling(rows, probe)
-    step = step_ms * 1_000_000
-    gaps = []  # (from the last backward return, to the next update's first entry)
-    t = 0
-    for i in range(n):
-        k = k2 if i >= change_at else k1
-        q = step // (2 * k + 2)  # forward, backward, ..., then the update
-        for b in range(k):
-            enter = t + (2 * b + 1) * q
-            if gaps and gaps[-1][1] is None:
-                gaps[-1] = (gaps[-1][0], enter)
-            rows.feed(_marker(enter, "backward_enter"))
-            rows.feed(_marker(enter + q, "backward_exit"))
-        gaps.append((enter + q, None))
-        # The session looks at the rows after the update's backward passes, after its
-        # read, or after both (the read, sent while the probe was on, is then in flight).
-        read = PID in probe.grad_reads_on
-        when = polls[i % len(polls)]
-        if when == 0:
-            sampling.schedule(t + step - 1)
-        if read:
-            rows.feed(_marker(enter + q + q // 2, "grad_read"))
-        t += step
-        if when != 0:
-            sampling.schedule(t)
-    ends = []
-    steps = rows.take()
-    if steps is not None:
-        ends = decode_steps(steps.to_record()).end_ns.tolist()
-    closed = [(a, b) for a, b in gaps if b is not None]
-    per_update = [sum(1 for e in ends if a <= e <= b) for a, b in closed]
-    # Wrong only from the change until a check finds it (and K is learnt again).
-    recheck_updates = int(RECHECK_S * 1e9 // step) + 2
-    late = change_at + recheck_updates + LEARN_UPDATES + 2 if k1 != k2 else n
-    wrong = [i for i, c in enumerate(per_update) if c != 1 and not change_at <= i < late]
-    assert wrong in ([], [0]), (wrong[:5], per_update[:20])
-    # Every end lies in some update's gap: never mid-update, unless K changed unseen.
-    if k1 == k2:
-        assert all(c == 1 for c in per_update[1:])
-        assert sampling.counted == 1 and sampling.changes == 0
-        # (a check attaches the probe for CONFIRM reads, and one that only syncs)
-        period = RECHECK_S * 1e9 + (CONFIRM + 2) * step
-        assert (n - LEARN_UPDATES - 2) * step / period - 1 <= sampling.rechecks <= (
-            n * step / (RECHECK_S * 1e9))
-    elif LEARN_UPDATES + 2 < change_at and late < n:  # (K1 learnt first) found, learnt again
-        assert sampling.changes == 1 and sampling.counted == 2
 
+    def step(t_ms: int, total_ms: int) -> None:
+        rows.feed({"type": "waits", "t_mono_ns": t_ms * MS, "pid": 1,
+                   "wait_ns": total_ms * MS, "waits": total_ms})
+        rows.feed(_rank_marker(t_ms * MS, 1, "optimizer_step"))
 
-def test_a_counter_that_disagrees_with_the_optimizer_marker_is_no_loss():
-    """HF Trainer's local ``step`` counts micro-batches: against iterations ended by the
-    Optimizer.step marker it drifts, and that says the counter is no update counter,
-    not that an update was missed; against gradient-read ends the same drift is a loss."""
-    period = 10_000_000
-    for how, expected in (("uprobe", False), ("grad_read", True)):
-        clock = IterationClock(Workload(), PID, 0)
-        for i, t in enumerate((5 * period, 40 * period)):
-            clock.job.on_read({"t_mono_ns": t + period // 2, "end_mono_ns": t + period // 2 + 1000,
-                               "value": 2 * (5 + 35 * i), "name": "step"})
-        for k in range(1, 60):
-            clock.on_row(k * period, 2, how)
-        clock.job.resolve(None)
-        assert (clock.quality()["counter_disagrees"] > 0) == expected
+    step(0, 0)
+    step(100, 10)
+    rows.waits_probed(False, 150 * MS)
+    step(200, 20)  # partly off
+    rows.waits_probed(True, 250 * MS)
+    step(300, 20)  # its start before the probes were back
+    step(400, 30)
+    block = rows.take()
+    assert block is not None
+    assert block.waits.tolist() == [0, 10, -1, -1, 10]
+    assert block.wait_ns.tolist() == [0, 10 * MS, 0, 0, 10 * MS]
+    assert rows.probed_rows == 2 and list(rows.recent) == [(100 * MS, 10), (100 * MS, 10)]
+
+    # The ranks' means of wait and compute are over the probed rows; steps over all.
+    ranks = RankTimes({1: 0}, 1, 0, str)
+    ranks.on_rows(block)
+    (means,) = ranks.interval(400 * MS)
+    assert means.iterations == 4 and means.waits_probed == 2
+    assert means.step_s == pytest.approx(0.1) and means.wait_s == pytest.approx(0.01)
+    assert means.compute_s == pytest.approx(0.09) and means.wait_share == 0.1
+    assert ranks.all()[0].recent == [(100 * MS, 100 * MS, 10 * MS), (400 * MS, 100 * MS, 10 * MS)]

@@ -1,4 +1,5 @@
-"""The reducers on hand-written record streams: boundaries, windows and sums."""
+"""The Summarizer (perfmon.agent.reducers) on hand-written record streams: boundaries,
+windows and sums."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from datetime import datetime
 
 import pytest
 from perfmon.agent.reducers import Summarizer
-from perfmon.agent.reducers.quality import DataQuality
+from perfmon.parsers.figures import render
 from perfmon.parsers.workload import Workload
 
 MS = 1_000_000
@@ -23,7 +24,8 @@ def aggregator(workload: Workload | None = None, log_interval: int = 2) -> Summa
 
 
 def feed(agg: Summarizer, records: list[dict]) -> list[dict]:
-    return [entry for r in records for entry in agg.feed(r)]
+    """The iteration_logs entries the records completed, as the summary shows them."""
+    return [render(entry) for r in records for entry in agg.feed(r)]
 
 
 def test_first_step_after_attach_only_opens_the_window():
@@ -31,7 +33,7 @@ def test_first_step_after_attach_only_opens_the_window():
     feed(agg, [marker("backward_enter", 5), marker("optimizer_step", 10),
                marker("backward_enter", 40), marker("optimizer_step", 50),
                marker("backward_enter", 80), marker("optimizer_step", 100)])
-    stats = agg.final_statistics()
+    stats = render(agg.statistics())
     assert agg.iterations_ended == 3
     assert stats["measured_iterations"] == 2
     assert stats["avg_step_time_ms"] == pytest.approx(45.0)  # (40 + 50) / 2
@@ -46,13 +48,13 @@ def test_several_optimizers_in_one_iteration_count_once():
                   marker("optimizer_step", t + 55)]  # e.g. a dense and an expert optimizer
     feed(agg, steps)
     assert agg.iterations_ended == 3
-    assert agg.final_statistics()["avg_step_time_ms"] == pytest.approx(100.0)
+    assert render(agg.statistics())["avg_step_time_ms"] == pytest.approx(100.0)
 
 
 def test_without_backward_probe_every_step_ends_an_iteration():
     agg = aggregator()
     feed(agg, [marker("optimizer_step", t) for t in (0, 30, 60, 90)])
-    stats = agg.final_statistics()
+    stats = render(agg.statistics())
     assert stats["measured_iterations"] == 3 and stats["microbatches_per_step"] is None
 
 
@@ -62,7 +64,7 @@ def test_markers_of_other_ranks_and_before_attach_are_ignored():
     feed(agg, [marker("optimizer_step", 10), marker("optimizer_step", 30, pid=11),
                marker("optimizer_step", 40), marker("optimizer_step", 70)])
     assert agg.iterations_ended == 2
-    assert agg.final_statistics()["avg_step_time_ms"] == pytest.approx(30.0)
+    assert render(agg.statistics())["avg_step_time_ms"] == pytest.approx(30.0)
 
 
 def test_interval_entries_and_derived_global_batch():
@@ -88,7 +90,7 @@ def test_interval_entries_and_derived_global_batch():
     # 24 samples x 1e12 FLOPs in 0.5 s over 8 GPUs = 6 TFLOPS per GPU
     assert first["TFLOPS_per_GPU"] == pytest.approx(6.0)
     assert first["memory_GB"] == 2.0  # GiB, as FlagScale's monitor reports memory
-    stats = agg.final_statistics()
+    stats = render(agg.statistics())
     assert stats["microbatches_per_step"] == 3
     assert stats["mfu"] == pytest.approx(0.6)
     assert stats["peak_memory_gb"] == 3.0
@@ -99,7 +101,7 @@ def test_interval_entries_and_derived_global_batch():
 def test_unknown_workload_gives_nulls_not_zeros():
     agg = aggregator()
     feed(agg, [marker("optimizer_step", t) for t in (0, 10, 20)])
-    stats = agg.final_statistics()
+    stats = render(agg.statistics())
     assert stats["avg_tokens_per_sec"] is None and stats["avg_tflops_per_gpu"] is None
     assert stats["mfu"] is None and stats["peak_memory_gb"] is None
 
@@ -110,29 +112,10 @@ def test_percentiles_interpolate_between_ranks():
     for step in [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]:
         times.append(times[-1] + step)
     feed(agg, [marker("optimizer_step", t) for t in times])
-    stats = agg.final_statistics()
+    stats = render(agg.statistics())
     assert stats["p50_step_time_ms"] == pytest.approx(55.0)
     assert stats["p90_step_time_ms"] == pytest.approx(91.0)
     assert stats["p99_step_time_ms"] == pytest.approx(99.1)
-
-
-def test_a_burst_that_saw_only_backward_gives_its_window_no_phases():
-    from perfmon.agent.reducers.phases import PhaseAccount
-
-    for bursts in (True, False):
-        phases = PhaseAccount(bursts=bursts)
-        phases.add_backward(100 * MS, 50 * MS)  # the iteration's backward(): 40..90 ms
-        phases.add_span(50 * MS, 60 * MS, "backward")  # the burst: inside backward only
-        window = phases.window_ns(0, 100 * MS)
-        if bursts:  # the other 50 ms are not known to be "other"
-            assert window is None
-        else:  # continuous sampling saw no other phase: the rest is "other"
-            assert window == {"data_loading": 0, "forward": 0, "backward": 50 * MS,
-                              "optimizer": 0, "other": 50 * MS}
-        phases.add_span(0, 30 * MS, "data_loading")  # a sample outside backward: shared out
-        assert phases.window_ns(0, 100 * MS) == {"data_loading": 50 * MS, "forward": 0,
-                                                 "backward": 50 * MS, "optimizer": 0,
-                                                 "other": 0}
 
 
 def test_in_bursts_an_interval_waits_for_the_window_started_before_it_ended():
@@ -160,18 +143,4 @@ def test_in_bursts_an_interval_waits_for_the_window_started_before_it_ended():
     later = feed(agg, [marker("optimizer_step", 1300), marker("optimizer_step", 1500),
                        window(1600, 1600, False)])
     assert [e["phases"] for e in later] == [None]
-    assert agg.final_statistics()["phases_iterations"] == 2
-
-
-def test_sampling_errors_within_5pct_of_the_samples_are_minor_and_beyond_a_loss():
-    quality = DataQuality()
-    quality.on_quality({"source": "pyspy", "counters": {"samples": 100, "sampling_errors": 5,
-                                                        "lost_windows": 0}})
-    quality.on_quality({"source": "uprobes", "counters": {"events": 10, "events_dropped": 1}})
-    summary = quality.summary()
-    assert [line.split(" (")[0] for line in summary["losses"]] == ["uprobes: events_dropped 1"]
-    assert [line.split(" (")[0] for line in summary["minor"]] == ["pyspy: sampling_errors 5"]
-    quality.on_quality({"source": "pyspy", "counters": {"samples": 100, "sampling_errors": 6}})
-    assert [line.split(" (")[0] for line in quality.summary()["losses"]] == [
-        "pyspy: sampling_errors 6", "uprobes: events_dropped 1"]
-    assert quality.summary()["minor"] == []
+    assert render(agg.statistics())["phases_iterations"] == 2

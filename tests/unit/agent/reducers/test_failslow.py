@@ -1,0 +1,142 @@
+"""Fail-slow (perfmon.agent.reducers.failslow) on exact step streams: shifts, drifts, bumps,
+warm-ups and recoveries, each with its stated truth (on real jobs:
+tests/e2e/test_fail_slow.py)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from perfmon.agent.reducers.failslow import FailSlow
+from perfmon.parsers.figures import render
+
+MS = 1_000_000
+
+
+def shown(fail: FailSlow) -> list[dict[str, Any]]:
+    """The reducer's events as the summary shows them."""
+    return [render(e) for e in fail.events]
+
+
+def _steps(fail: FailSlow, count: int, ms: float, t: int, noise: float, rng: random.Random
+           ) -> int:
+    for _ in range(count):
+        step = int(ms * (1 + rng.gauss(0, noise)) * MS)
+        t += step
+        fail.on_iteration(t, step)
+    return t
+
+
+def test_fail_slow_on_a_noisy_steady_run_is_quiet_and_a_30pct_rise_and_return_are_seen():
+    rng = random.Random(1)
+    # 2 hours of 100 ms steps with 10% iteration noise: no event.
+    fail = FailSlow(str)
+    _steps(fail, 72_000, 100, 0, 0.10, rng)
+    assert shown(fail) == []
+    fail = FailSlow(str)
+    t = _steps(fail, 3000, 100, 0, 0.10, rng)
+    change = t
+    t = _steps(fail, 1000, 130, t, 0.10, rng)
+    back = t
+    _steps(fail, 1000, 100, t, 0.10, rng)
+    slow, recovered = shown(fail)
+    assert slow["event"] == "fail_slow" and recovered["event"] == "recovered"
+    assert abs(slow["t_mono_ns"] - change) < 5e9 and slow["detected_mono_ns"] - change < 60e9
+    assert slow["change_pct"] == pytest.approx(30, abs=5)
+    assert abs(recovered["t_mono_ns"] - back) < 5e9
+    # A 3% rise is under the 5% floor: nothing.
+    fail = FailSlow(str)
+    t = _steps(fail, 3000, 100, 0, 0.0, rng)
+    _steps(fail, 3000, 103, t, 0.0, rng)
+    assert shown(fail) == []
+
+
+def test_a_gradual_drift_is_reported_once_past_the_threshold_and_a_short_bump_is_not():
+    rng = random.Random(5)
+    fail = FailSlow(str)
+    t = _steps(fail, 600, 100, 0, 0.05, rng)
+    began = t
+    for i in range(1800):  # +10% over 3 minutes (thermal creep): 0.006% per 100 ms step
+        t = _steps(fail, 1, 100 * (1 + 0.1 * i / 1800), t, 0.05, rng)
+    # Reported once past the 3% floor (54 s into the creep), as a drift dated from where
+    # it left the healthy pace; as it goes on, a further rise may be another event.
+    event, *further = shown(fail)
+    assert event["event"] == "fail_slow" and event["drift"], event
+    assert 54e9 <= event["detected_mono_ns"] - began <= 120e9
+    assert 0 <= event["t_mono_ns"] - began <= 45e9, (event["t_mono_ns"] - began) / 1e9
+    assert event["before_step_time_ms"] == pytest.approx(100, rel=0.02)
+    assert all(e["event"] == "fail_slow" for e in further)
+    # A bump of 7 s at +40% is not sustained (10 s): nothing.
+    fail = FailSlow(str)
+    t = _steps(fail, 600, 100, 0, 0.05, rng)
+    t = _steps(fail, 50, 140, t, 0.05, rng)
+    _steps(fail, 1200, 100, t, 0.05, rng)
+    assert shown(fail) == []
+
+
+@pytest.mark.parametrize("step_ms", [100, 250])
+def test_a_shift_from_10s_after_the_first_iteration_is_reported_within_15s(step_ms):
+    # (a 5% rise at 250 ms steps with 3% noise, 8 steps a block, is ~1.2 d: found later)
+    for rise, within_s in ((0.30, 15), (0.10, 15), (0.05, 30 if step_ms < 250 else 40)):
+        rng = random.Random(int(rise * 100) + step_ms)
+        fail = FailSlow(str)
+        # Warm-up: a few slow first steps, then the job's pace.
+        t = _steps(fail, 5, step_ms * 3, 0, 0.03, rng)
+        t = _steps(fail, round(10_000 / step_ms), step_ms, t, 0.03, rng)
+        change = t
+        t = _steps(fail, round(40_000 / step_ms), step_ms * (1 + rise), t, 0.03, rng)
+        back = t
+        _steps(fail, round(40_000 / step_ms), step_ms, t, 0.03, rng)
+        kinds = [e["event"] for e in shown(fail)]
+        assert kinds == ["fail_slow", "recovered"], (rise, step_ms, shown(fail))
+        slow, recovered = shown(fail)
+        assert slow["detected_mono_ns"] - change <= within_s * 1e9, (rise, step_ms)
+        assert abs(slow["t_mono_ns"] - change) <= 3e9
+        assert slow["change_pct"] == pytest.approx(100 * rise, abs=2)
+        # Recovery: a fall of the same size, as quickly.
+        assert recovered["detected_mono_ns"] - back <= within_s * 1e9, (rise, step_ms)
+        # The slow first steps were warm-up, left out of the baseline.
+        assert fail.warmup_until_ns is not None and fail.warmup_until_ns >= 5 * step_ms * 3e6
+        assert slow["before_step_time_ms"] == pytest.approx(step_ms, rel=0.02)
+
+
+def test_slowdowns_of_15s_15s_apart_are_each_reported_with_their_end_within_15s():
+    # No blind seconds after a change: a slowdown's end comes 15 s after its start (5 s
+    # after it was confirmed), the next one 15 s after that.
+    rng = random.Random(11)
+    fail = FailSlow(str)
+    t = _steps(fail, 150, 130, 0, 0.03, rng)
+    changes = []
+    for _ in range(3):
+        changes.append(t)
+        t = _steps(fail, round(15_000 / 169), 169, t, 0.03, rng)
+        changes.append(t)
+        t = _steps(fail, round(15_000 / 130), 130, t, 0.03, rng)
+    assert [e["event"] for e in shown(fail)] == ["fail_slow", "recovered"] * 3, shown(fail)
+    for event, change in zip(shown(fail), changes, strict=True):
+        assert abs(event["t_mono_ns"] - change) <= 3e9
+        late_s = (event["detected_mono_ns"] - change) / 1e9
+        assert late_s <= 15, late_s
+
+
+def test_a_job_slow_from_its_first_iteration_has_no_event_from_its_warm_up():
+    rng = random.Random(9)
+    fail = FailSlow(str)
+    t = 0
+    for i in range(40):  # a warm-up that eases off over 4 s (compilation, caches)
+        t = _steps(fail, 1, 300 - 5 * i, t, 0.02, rng)
+    _steps(fail, 1500, 130, t, 0.05, rng)  # then slow all along: its own pace
+    assert shown(fail) == [] and fail.baseline == pytest.approx(130 * MS, rel=0.05)
+
+
+def test_a_job_that_speeds_up_after_warm_up_rebaselines_without_an_event():
+    rng = random.Random(3)
+    fail = FailSlow(str)
+    t = _steps(fail, 600, 150, 0, 0.03, rng)  # warm-up: slower
+    t = _steps(fail, 3000, 100, t, 0.03, rng)
+    assert shown(fail) == [] and fail.baseline == pytest.approx(100 * MS, rel=0.05)
+    _steps(fail, 1000, 120, t, 0.03, rng)
+    (event,) = shown(fail)
+    assert event["event"] == "fail_slow" and event["before_step_time_ms"] == pytest.approx(
+        100, rel=0.05)
