@@ -14,14 +14,22 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from perfmon.parsers.figures import (
+    FailSlowEvent,
+    IntervalFigures,
+    Statistics,
+    StragglerEpisode,
+    scaled,
+)
 from rich.console import Console
 from rich.table import Table
 
 PROG = "perfmon-agent"
+GIB = 1 << 30
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -109,27 +117,27 @@ def fmt(value: Any, spec: str, unit: str = "") -> str:
     return f"{value:{spec}}{unit}"
 
 
-def progress_line(entry: dict[str, Any]) -> str:
+def progress_line(figures: IntervalFigures) -> str:
     return (
-        f"iter {entry['iteration']:>6} | step {fmt(entry['step_time_ms'], '.2f', ' ms')} | "
-        f"{fmt(entry['tokens_per_sec'], ',.0f', ' tok/s')} | "
-        f"{fmt(entry['TFLOPS_per_GPU'], '.2f', ' TFLOPS/GPU')} | "
-        f"mem {fmt(entry['memory_GB'], '.2f', ' GiB')}"
+        f"iter {figures.iteration:>6} | step {fmt(scaled(figures.step_s, 1e3), '.2f', ' ms')} | "
+        f"{fmt(figures.tokens_per_s, ',.0f', ' tok/s')} | "
+        f"{fmt(scaled(figures.flops_per_gpu, 1e-12), '.2f', ' TFLOPS/GPU')} | "
+        f"mem {fmt(scaled(figures.memory_bytes, 1 / GIB), '.2f', ' GiB')}"
     )
 
 
-def _quality_row(stats: dict[str, Any]) -> str:
-    losses = (stats.get("data_quality") or {}).get("losses") or []
+def _quality_row(stats: Statistics) -> str:
+    losses = (stats.data_quality or {}).get("losses") or []
     return f"{len(losses)} loss(es): see the warnings" if losses else "nothing missed"
 
 
-def _goodput_row(stats: dict[str, Any]) -> str:
+def _goodput_row(stats: Statistics) -> str:
     """The session's goodput, its largest losses, and what it did not see."""
-    ledger = stats.get("goodput")
-    if not isinstance(ledger, dict):
+    ledger = stats.goodput
+    if not isinstance(ledger, Mapping):
         return "-"
     lost = ledger.get("lost_seconds")
-    lost = lost if isinstance(lost, dict) else {}
+    lost = lost if isinstance(lost, Mapping) else {}
     top = sorted(((s, c) for c, s in lost.items() if isinstance(s, int | float) and s >= 0.05),
                  reverse=True)[:3]
     unseen = ledger.get("unobserved_seconds")
@@ -143,27 +151,31 @@ def _goodput_row(stats: dict[str, Any]) -> str:
     return text
 
 
-def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -> None:
-    """The end table. Every figure may be unknown (a summary rebuilt from a log anyone
-    may have written is kept to its schema: what is not becomes None)."""
-    info, stats = summary["session_info"], summary["final_statistics"]
+def print_summary_table(console: Console, stats: Statistics, info: Mapping[str, Any],
+                        path: Path) -> None:
+    """The end table of a session's figures and facts (``info``: its session_info). Every
+    figure may be unknown (a summary rebuilt from a log anyone may have written is kept to
+    its schema: what is not becomes None)."""
+    def ms(value: float | None) -> float | None:
+        return scaled(value, 1e3)
+
     table = Table(title=f"perf summary: pid {info.get('pid', '?')} "
                   f"({fmt(info.get('total_iterations'), 'd')} iterations)")
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("avg step time", fmt(stats.get("avg_step_time_ms"), ".2f", " ms")),
+        ("avg step time", fmt(ms(stats.step_s), ".2f", " ms")),
         ("p50 / p90 / p99 step",
-         " / ".join(fmt(stats.get(k), ".2f") for k in
-                    ("p50_step_time_ms", "p90_step_time_ms", "p99_step_time_ms")) + " ms"),
-        ("tokens/s", fmt(stats.get("avg_tokens_per_sec"), ",.0f")),
-        ("samples/s", fmt(stats.get("avg_samples_per_sec"), ",.2f")),
-        ("TFLOPS per GPU", fmt(stats.get("avg_tflops_per_gpu"), ".3f")),
-        ("MFU", fmt(stats.get("mfu"), ".1%")),
-        ("micro-batches per step", fmt(stats.get("microbatches_per_step"), "d")),
-        ("peak memory", fmt(stats.get("peak_memory_gb"), ".2f", " GiB")),
+         " / ".join(fmt(ms(v), ".2f") for v in
+                    (stats.p50_step_s, stats.p90_step_s, stats.p99_step_s)) + " ms"),
+        ("tokens/s", fmt(stats.tokens_per_s, ",.0f")),
+        ("samples/s", fmt(stats.samples_per_s, ",.2f")),
+        ("TFLOPS per GPU", fmt(scaled(stats.flops_per_gpu, 1e-12), ".3f")),
+        ("MFU", fmt(stats.mfu, ".1%")),
+        ("micro-batches per step", fmt(stats.microbatches_per_step, "d")),
+        ("peak memory", fmt(scaled(stats.peak_memory_bytes, 1 / GIB), ".2f", " GiB")),
         ("model source", str((info.get("model") or {}).get("source") or "none")),
-        ("iterations from", str(stats.get("iteration_estimator") or "-")),
+        ("iterations from", str(stats.iteration_estimator or "-")),
         ("data quality", _quality_row(stats)),
         ("goodput", _goodput_row(stats)),
         ("ended", str(info.get("end_reason"))),
@@ -174,27 +186,28 @@ def print_summary_table(console: Console, summary: dict[str, Any], path: Path) -
     console.print(f"summary: {path}")
 
 
-def describe_event(event: dict[str, Any]) -> str:
+def describe_event(event: StragglerEpisode | FailSlowEvent) -> str:
     """One line for a straggler or fail-slow event (the live output)."""
-    def who(e: dict[str, Any]) -> str:
-        return f"rank {e['rank']} (pid {e['pid']})" if e.get("rank") is not None else (
-            f"pid {e['pid']}")
+    def who(pid: int, rank: int | None) -> str:
+        return f"rank {rank} (pid {pid})" if rank is not None else f"pid {pid}"
 
-    kind = event["event"]
-    if kind == "straggler":
-        return (f"straggler: {who(event)} since {event['since']}: computes "
-                f"{event['compute_ms']:.1f} ms per step against {event['others_compute_ms']:.1f}"
-                f" ms on the others, delaying the job ~{event['delay_ms_per_step']:.1f} ms a step")
-    if kind == "straggler_ended":
-        return f"straggler: {who(event)} no longer lags (since {event['until']})"
-    moved = [who(r) for r in event.get("ranks") or [] if r.get("moved")]
+    def ms(seconds: float | None) -> str:
+        return fmt(scaled(seconds, 1e3), ".1f")
+
+    if isinstance(event, StragglerEpisode):
+        if event.until is not None:
+            return f"straggler: {who(event.pid, event.rank)} no longer lags (since {event.until})"
+        return (f"straggler: {who(event.pid, event.rank)} since {event.since}: computes "
+                f"{ms(event.compute_s)} ms per step against {ms(event.others_compute_s)}"
+                f" ms on the others, delaying the job ~{ms(event.delay_per_step_s)} ms a step")
+    moved = [who(r.pid, r.rank) for r in event.ranks if r.moved]
+    kind = event.event
     what = {"fail_slow": "fail-slow", "eased": "fail-slow eased",
             "recovered_partly": "recovered partly"}.get(kind, kind)
     # (where the job runs against its healthy pace, once it is no longer the change)
-    base = event.get("baseline_step_time_ms")
-    against = (f", {event['vs_baseline_pct']:+.0f}% against the healthy {base:.1f} ms"
+    base = event.baseline_step_s
+    against = (f", {event.vs_baseline:+.0%} against the healthy {ms(base)} ms"
                if kind in ("eased", "recovered_partly") and base else "")
-    return (f"{what}: step time {event['before_step_time_ms']:.1f} -> "
-            f"{event['after_step_time_ms']:.1f} ms ({event['change_pct']:+.0f}%{against}) "
-            f"since {event['timestamp']}"
+    return (f"{what}: step time {ms(event.before_step_s)} -> {ms(event.after_step_s)} ms "
+            f"({event.change:+.0%}{against}) since {event.timestamp}"
             + (f"; compute moved on {', '.join(moved)}" if moved else ""))

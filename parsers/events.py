@@ -18,7 +18,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from perfmon.parsers.step_rows import STEP_COLUMNS, encode_rows, steps_problem
+from perfmon.parsers.step_rows import (
+    STEP_COLUMNS,
+    StepBlock,
+    block_of,
+    encode_block,
+    steps_problem,
+)
 
 SCHEMA_VERSION = 4
 
@@ -113,7 +119,15 @@ class Steps(Record):
     @classmethod
     def encode(cls, t_mono_ns: int, rows: list[tuple[int, ...]], hows: list[str]) -> Steps:
         """The record of ``rows`` (tuples in STEP_COLUMNS order, absolute times)."""
-        return cls(t_mono_ns, list(STEP_COLUMNS), encode_rows(t_mono_ns, rows), hows)
+        return cls(t_mono_ns, list(STEP_COLUMNS),
+                   encode_block(t_mono_ns, block_of(rows, hows)), hows)
+
+    @classmethod
+    def of_block(cls, block: StepBlock) -> Steps:
+        """The record of a block of rows (at its first end)."""
+        t_mono_ns = int(block.end_ns.min())
+        return cls(t_mono_ns, list(STEP_COLUMNS), encode_block(t_mono_ns, block),
+                   list(block.hows))
 
 
 @dataclass(frozen=True)

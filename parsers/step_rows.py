@@ -46,12 +46,16 @@ class StepBlock:
         return self.waits >= 0
 
 
-def encode_rows(t_mono_ns: int, rows: list[tuple[int, ...]]) -> bytes:
-    """The ``rows`` of a ``steps`` record: tuples in STEP_COLUMNS order (absolute times)."""
-    table = np.array(rows, dtype="<i8").T.copy()
-    for name in _TIMES:
-        table[STEP_COLUMNS.index(name)] -= t_mono_ns
-    return table.tobytes()
+def block_of(rows: list[tuple[int, ...]], hows: list[str]) -> StepBlock:
+    """The block of ``rows`` (tuples in STEP_COLUMNS order, absolute times) and ``hows``."""
+    table = np.array(rows, dtype=np.int64).T.copy()
+    return StepBlock(**dict(zip(STEP_COLUMNS, table, strict=True)), hows=tuple(hows))
+
+
+def encode_block(t_mono_ns: int, block: StepBlock) -> bytes:
+    """The ``rows`` of the ``steps`` record of ``block`` (times relative to ``t_mono_ns``)."""
+    return np.stack([getattr(block, name) - t_mono_ns if name in _TIMES
+                     else getattr(block, name) for name in STEP_COLUMNS]).astype("<i8").tobytes()
 
 
 def decode_steps(record: dict[str, Any]) -> StepBlock:

@@ -234,7 +234,8 @@ def run_main(args: argparse.Namespace) -> int:
     # stdout belongs to COMMAND: the agent's tables go to stderr.
     out = Output(stderr=True)
     for result in tracker.results:
-        out.table(lambda r=result: print_summary_table(out.console, r.summary, r.summary_path))
+        out.table(lambda r=result: print_summary_table(
+            out.console, r.statistics, r.summary["session_info"], r.summary_path))
     return _exit_status(child.returncode)
 
 

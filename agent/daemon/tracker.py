@@ -437,17 +437,17 @@ class JobTracker:
             assert result is not None
             self.results.append(result)
             job.retry_s, job.last_error = 0.0, None
-            info, stats = result.summary["session_info"], result.summary["final_statistics"]
+            info, stats = result.summary["session_info"], result.statistics
             job.record.setdefault("segments", []).append({
                 "summary": result.summary_path.name, "event_log": result.events_path.name,
                 "pids": info.get("pids"), "ranks": info.get("ranks"),
                 "start_time": info.get("start_time"), "end_time": info.get("end_time"),
                 "end_reason": info.get("end_reason"),
                 "iterations": info.get("total_iterations"),
-                "avg_step_time_ms": stats.get("avg_step_time_ms"),
+                "avg_step_time_ms": scaled(stats.step_s, 1e3),
                 "cause": (info.get("exit") or {}).get("cause"),
             })
-            job.before = _job_so_far(stats.get("goodput"), info.get("detach_monotonic_ns"))
+            job.before = _job_so_far(stats.goodput, info.get("detach_monotonic_ns"))
             if job.before is not None:
                 job.record["goodput"] = {k: v for k, v in job.before["ledger"].items()
                                          if k not in ("job", "from", "last_job_iteration")}

@@ -63,11 +63,13 @@ def attach_main(args: argparse.Namespace) -> int:
     if args.json:
         out.write(json_bytes(result.summary).decode())
     else:
-        out.table(lambda: print_summary_table(out.console, result.summary, result.summary_path))
-    quality = result.summary["final_statistics"]["data_quality"]
-    for loss in quality["losses"]:
+        out.table(lambda: print_summary_table(out.console, result.statistics,
+                                              result.summary["session_info"],
+                                              result.summary_path))
+    quality = result.statistics.data_quality or {}
+    for loss in quality.get("losses") or ():
         warn(f"data quality: {loss}")
-    for loss in quality["minor"] if options.verbose else ():
+    for loss in quality.get("minor") or () if options.verbose else ():
         note(f"data quality: {loss}")
     if result.write_error is not None:
         raise result.write_error

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from perfmon.agent.reducers.phases import PHASES
+from perfmon.agent.reducers.resources import GPU_EVENT_TYPES
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -41,9 +42,8 @@ RANK_VALUE_NAMES: dict[str, str] = {
                  "it), else 0.",
 }
 
-# final_statistics.gpu_events types (perfmon.agent.reducers.resources): a fixed set,
-# every one exposed from the job's start so that increase() sees its first event.
-GPU_EVENT_TYPES = ("xid", "ecc", "gpu_lost")
+# GPU_EVENT_TYPES (perfmon.agent.reducers.resources): a fixed set, every one exposed from
+# the job's start so that increase() sees its first event.
 
 # NVML reports at most 64 clock-event reason bits (named ones, the rest "unknown_0x..."):
 # a cap of the same size keeps a buggy caller from growing the label set.
@@ -132,8 +132,6 @@ class JobSeries:
     rank_values: dict[str, dict[str, float]] = field(default_factory=dict)  # name->rank->v
     fail_slow: tuple[float, str] | None = None  # the active episode: (ratio, phase)
     lost_seconds: dict[str, float] = field(default_factory=dict)  # cause -> s (the job's)
-    peak_tflops: float | None = None  # the device's dense peak, from mfu and avg TFLOPS
-    interval_tflops: float | None = None  # the latest interval's TFLOPS per GPU
 
     def rank_label(self, rank: int | None, pid: int) -> str:
         """The ``rank`` label: the rank, or ``pid:<pid>`` for a process without RANK."""
@@ -147,10 +145,17 @@ class JobSeries:
         else:
             self.gauges[key] = value
 
-    def update_mfu(self) -> None:
-        mfu = (self.interval_tflops / self.peak_tflops
-               if self.interval_tflops is not None and self.peak_tflops else None)
-        self.set_gauge("mfu_ratio", mfu)
+    def set_rank(self, rank: int | None, pid: int, values: dict[str, float | None]) -> None:
+        """Per-rank figures (RANK_VALUE_NAMES); None removes the rank's series."""
+        if rank is not None:
+            self.pid_rank[pid] = rank
+        label = self.rank_label(rank, pid)
+        for name, value in values.items():
+            per_rank = self.rank_values.setdefault(name, {})
+            if value is None:
+                per_rank.pop(label, None)
+            else:
+                per_rank[label] = value
 
 
 def families(jobs: list[JobSeries], host: str, agent: tuple[float, int, int] | None

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from perfmon.probes.gpu_health import GpuHealthReadings, read_gpu_health
-from perfmon.probes.nvml import GpuSample, NvmlSampler, driver_info, gpu_indices
+from perfmon.probes.gpu_sampling import GpuSample, NvmlSampler
+from perfmon.probes.nvml import driver_info, gpu_indices
 from perfmon.probes.sampler import monotonic_ns
 from perfmon.probes.xid import XidEvent, XidEventWatcher
 

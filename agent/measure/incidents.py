@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+from perfmon.agent.console import fmt
 from perfmon.agent.record.layout import (
     INCIDENT_GPUS,
     INCIDENT_HISTORY,
@@ -43,6 +44,7 @@ from perfmon.agent.record.layout import (
 from perfmon.agent.record.outputs import OutputDir, json_bytes
 from perfmon.agent.record.trace import TraceBuilder
 from perfmon.agent.reducers import Summarizer
+from perfmon.parsers.figures import FailSlowEvent, StragglerEpisode, render, scaled
 from perfmon.probes.background import BackgroundCalls
 from perfmon.probes.procfs import TargetProcess, is_running
 from perfmon.probes.pyspy import dump_stacks
@@ -101,22 +103,21 @@ class Incidents:
                        pids=[record["pid"]],
                        figures={k: v for k, v in record.items() if k != "type"})
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        """A reducer's event (perfmon.agent.reducers.Summarizer.take_events)."""
-        if event["event"] == "straggler":
-            self.begin("straggler", event["since_mono_ns"], event["detected_mono_ns"],
-                       f"rank {event['rank']} (pid {event['pid']}) delays every step by "
-                       f"{event['delay_ms_per_step']:.1f} ms", pids=[event["pid"]],
-                       figures=event)
-        elif event["event"] == "fail_slow":
+    def on_event(self, event: StragglerEpisode | FailSlowEvent) -> None:
+        """A reducer's event (perfmon.agent.reducers.Summarizer.take_events); the bundle
+        shows its figures as the summary does."""
+        if isinstance(event, StragglerEpisode) and event.until is None:
+            self.begin("straggler", event.since_ns, event.detected_ns,
+                       f"rank {event.rank} (pid {event.pid}) delays every step by "
+                       f"{fmt(scaled(event.delay_per_step_s, 1e3), '.1f')} ms",
+                       pids=[event.pid], figures=render(event))
+        elif isinstance(event, FailSlowEvent) and event.event == "fail_slow":
             # (the ranks whose compute moved; none singled out: every rank is involved)
-            moved = [r["pid"] for r in event.get("ranks") or [] if r.get("moved")] or [
-                t.pid for t in self.targets]
-            self.begin("fail_slow", event["t_mono_ns"], event["detected_mono_ns"],
-                       f"step time {event['before_step_time_ms']:.1f} -> "
-                       f"{event['after_step_time_ms']:.1f} ms ({event['change_pct']:+.0f}%)",
-                       pids=moved,
-                       figures={k: v for k, v in event.items() if not k.startswith("_")})
+            moved = [r.pid for r in event.ranks if r.moved] or [t.pid for t in self.targets]
+            self.begin("fail_slow", event.t_ns, event.detected_ns,
+                       f"step time {event.before_step_s * 1e3:.1f} -> "
+                       f"{event.after_step_s * 1e3:.1f} ms ({event.change:+.0%})",
+                       pids=moved, figures=render(event))
 
     def begin(self, kind: str, t_ns: int, detected_ns: int, what: str, *, pids: list[int],
               figures: dict[str, Any]) -> None:

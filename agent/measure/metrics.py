@@ -41,30 +41,22 @@ from wsgiref.simple_server import WSGIServer
 from perfmon.agent import agent_version
 from perfmon.agent.measure.exposition import (
     FAIL_SLOW_PHASES,
-    GPU_EVENT_TYPES,
     MAX_THROTTLE_REASONS,
-    RANK_VALUE_NAMES,
     STEP_TIME_BUCKETS_S,
     JobSeries,
     families,
 )
 from perfmon.agent.measure.observer import SessionObserver
 from perfmon.agent.options import DEFAULT_METRICS_ADDRESS, METRICS_OFF
-from perfmon.agent.reducers.failslow import EPISODE_CLOSES, EVENT_KINDS
 from perfmon.agent.reducers.goodput import CAUSES
-from perfmon.agent.reducers.quality import HINTS
 from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.figures import IntervalFigures, Statistics, scaled
 from perfmon.parsers.job_identity import safe_name
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-# A fail-slow episode is open when the last event is one of these.
-EPISODE_OPEN = frozenset(EVENT_KINDS) - EPISODE_CLOSES
-
 DEFAULT_ADDRESS = DEFAULT_METRICS_ADDRESS  # loopback only (perfmon.agent.options)
-
-GIB = 1 << 30  # the summary's memory figures are GiB (bytes / 1024^3)
 
 
 class MetricsAddressError(PerfmonError):
@@ -120,14 +112,6 @@ def _bind_reason(err: OSError, port: int) -> str:
     if err.errno == errno.EACCES:
         return "permission denied (ports below 1024 need root or CAP_NET_BIND_SERVICE)"
     return err.strerror or str(err)
-
-
-def _number(value: Any) -> float | None:
-    """A finite number as float; None for None, booleans, strings, NaN and infinities."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
 
 
 class Metrics(Collector):
@@ -190,119 +174,75 @@ class Metrics(Collector):
                 state.step_buckets[bisect_left(STEP_TIME_BUCKETS_S, step_time_s)] += 1
                 state.step_sum_s += step_time_s
 
-    def interval(self, job: str, entry: dict[str, Any]) -> None:
-        """One ``iteration_logs`` entry: throughput, TFLOPS, memory (GiB), GPU figures.
-
-        Absent or None fields remove the series they feed (unknown now).
-        """
-        tokens_s = _number(entry.get("tokens_per_sec"))
-        samples_s = _number(entry.get("samples_per_sec"))
-        tflops = _number(entry.get("TFLOPS_per_GPU"))
-        memory_gib = _number(entry.get("memory_GB"))
-        util_pct = _number(entry.get("gpu_utilization_pct"))
-        power_w = _number(entry.get("gpu_power_w"))
-        reasons = entry.get("gpu_throttle_reasons")
+    def interval(self, job: str, figures: IntervalFigures) -> None:
+        """One log interval: throughput, TFLOPS, MFU, memory, GPU figures, and each rank's
+        compute and wait. Unknown figures (None) remove the series they feed."""
         with self._lock:
             state = self._jobs.get(job)
             if state is None:
                 return
-            state.set_gauge("tokens_per_second", tokens_s)
-            state.set_gauge("samples_per_second", samples_s)
-            state.set_gauge("tflops_per_gpu", tflops)
-            state.interval_tflops = tflops
-            state.update_mfu()
-            state.set_gauge("gpu_utilization_ratio",
-                            util_pct / 100 if util_pct is not None else None)
-            state.set_gauge("gpu_power_watts", power_w)
-            state.job_memory_bytes = memory_gib * GIB if memory_gib is not None else None
-            if not isinstance(reasons, list | tuple | set | frozenset):  # None: unknown
+            state.set_gauge("tokens_per_second", figures.tokens_per_s)
+            state.set_gauge("samples_per_second", figures.samples_per_s)
+            state.set_gauge("tflops_per_gpu", scaled(figures.flops_per_gpu, 1e-12))
+            # The latest interval's MFU, which moves with the job, where the whole run's
+            # average would hide a drop.
+            state.set_gauge("mfu_ratio", figures.mfu)
+            state.set_gauge("gpu_utilization_ratio", figures.gpu_utilization)
+            state.set_gauge("gpu_power_watts", figures.gpu_power_w)
+            state.job_memory_bytes = figures.memory_bytes
+            reasons = figures.gpu_throttle_reasons
+            if reasons is None:  # unknown
                 state.throttled.clear()
             else:
                 # Reasons seen before and not now read 0 (a known "no"), so that a
                 # "for: 5m" alert sees the throttling end rather than a gap.
-                now = {r for r in reasons if isinstance(r, str)}
                 for reason in state.throttled:
-                    state.throttled[reason] = 1.0 if reason in now else 0.0
-                for reason in sorted(now - state.throttled.keys()):
+                    state.throttled[reason] = 1.0 if reason in reasons else 0.0
+                for reason in sorted(set(reasons) - state.throttled.keys()):
                     if len(state.throttled) < MAX_THROTTLE_REASONS:
                         state.throttled[reason] = 1.0
+            # Sessions of several ranks: each rank's compute, wait and straggler flag.
+            for rank in figures.ranks or ():
+                state.set_rank(rank.rank, rank.pid, {
+                    "compute_seconds": rank.compute_s, "wait_seconds": rank.wait_s,
+                    "straggler": 1.0 if rank.straggler else 0.0})
+            _host_figures(state)
 
-    def statistics(self, job: str, final_statistics: dict[str, Any], hung: bool) -> None:
-        """The job's current ``final_statistics`` and whether it is hung now.
-
-        Gives the per-rank peak memory (GiB -> bytes), the GPU event counts, the
-        data-quality loss counters, the memory kind and the device's peak (for MFU).
-        """
-        fs = final_statistics
-        mfu = _number(fs.get("mfu"))
-        avg_tflops = _number(fs.get("avg_tflops_per_gpu"))
-        kind = fs.get("memory_kind")
-        events: dict[str, int] = dict.fromkeys(GPU_EVENT_TYPES, 0)
-        for event in fs.get("gpu_events") or []:
-            if isinstance(event, dict) and event.get("type") in events:
-                events[event["type"]] += 1
-        losses: dict[tuple[str, str], float] = {}
-        sources = (fs.get("data_quality") or {}).get("sources") or {}
-        for source, counters in sources.items():
-            for counter, value in (counters or {}).items():
-                number = _number(value)
-                # Only the loss counters (a fixed set): the rest are volumes, not losses.
-                if counter in HINTS and number is not None:
-                    losses[(str(source), counter)] = number
+    def statistics(self, job: str, stats: Statistics) -> None:
+        """The job's figures as of the latest summary: whether it is hung, the per-rank
+        peak memory, the GPU event counts, the data-quality loss counters, the memory kind,
+        the goodput ledger and the active fail-slow episode."""
         with self._lock:
             state = self._jobs.get(job)
             if state is None:
                 return
-            state.set_gauge("hung", 1.0 if hung else 0.0)
-            # MFU = TFLOPS / peak exactly (Summarizer), so the peak follows from the two;
-            # the gauge is then the latest interval's MFU, which moves with the job, where
-            # the whole run's average would hide a drop.
-            if mfu and avg_tflops:
-                state.peak_tflops = avg_tflops / mfu
-            state.update_mfu()
-            if kind in ("gpu", "rss"):
-                state.memory_kind = kind
+            state.set_gauge("hung", 1.0 if stats.hung else 0.0)
+            if stats.memory_kind is not None:
+                state.memory_kind = stats.memory_kind
             memory: dict[tuple[str, str], float] = {}
-            for rank in fs.get("ranks") or []:
-                pid = rank.get("pid")
-                if not isinstance(pid, int):
-                    continue
-                label = state.rank_label(None, pid)
-                for key, series_kind in (("peak_rss_gb", "rss"), ("peak_gpu_memory_gb", "gpu")):
-                    gib = _number(rank.get(key))
-                    if gib is not None:
-                        memory[(label, series_kind)] = gib * GIB
+            for rank in stats.ranks or ():
+                label = state.rank_label(None, rank.pid)
+                for peak, kind in ((rank.peak_rss_bytes, "rss"),
+                                   (rank.peak_gpu_memory_bytes, "gpu")):
+                    if peak is not None:
+                        memory[(label, kind)] = float(peak)
             # Replaced whole: ranks that left (or got their rank label) leave no series.
             state.memory_bytes = memory
-            for kind_name, count in events.items():
-                # Counters never go down, even if a caller passes an older summary.
-                state.gpu_events[kind_name] = max(count, state.gpu_events[kind_name])
-            state.losses = losses
-            _goodput(state, fs.get("goodput"))
-            state.fail_slow = _active_fail_slow(fs.get("fail_slow"))
-            state.set_gauge("fail_slow_active", 0.0 if state.fail_slow is None else 1.0)
-
-    def rank_values(self, job: str, rank: int | None, pid: int,
-                    values: dict[str, float | None]) -> None:
-        """Per-rank figures (``RANK_VALUE_NAMES``: compute_seconds, wait_seconds (s),
-        straggler 0/1); unknown names are ignored, None removes the rank's series."""
-        with self._lock:
-            state = self._jobs.get(job)
-            if state is None:
-                return
-            if rank is not None:
-                state.pid_rank[pid] = rank
-            label = state.rank_label(rank, pid)
-            for name, value in values.items():
-                if name not in RANK_VALUE_NAMES:
-                    continue
-                number = _number(value)
-                per_rank = state.rank_values.setdefault(name, {})
-                if number is None:
-                    per_rank.pop(label, None)
-                else:
-                    per_rank[label] = number
-            _host_figures(state)
+            for kind_name, count in stats.gpu_event_counts.items():
+                if kind_name in state.gpu_events:
+                    # Counters never go down, even if a caller passes older figures.
+                    state.gpu_events[kind_name] = max(count, state.gpu_events[kind_name])
+            state.losses = dict(stats.losses)
+            state.set_gauge("goodput_ratio", stats.goodput_ratio)
+            for cause in CAUSES:
+                # (a counter: a cause recognised later may move seconds from unexplained)
+                seconds = stats.lost_s.get(cause)
+                if seconds is not None:
+                    state.lost_seconds[cause] = max(seconds, state.lost_seconds.get(cause, 0.0))
+            now = stats.fail_slow_now
+            state.fail_slow = None if now is None else (
+                now.ratio, now.phase if now.phase in FAIL_SLOW_PHASES else "unknown")
+            state.set_gauge("fail_slow_active", 0.0 if now is None else 1.0)
 
     def job_finished(self, job: str) -> None:
         """Remove every series of the job (a finished job leaves nothing behind)."""
@@ -385,39 +325,6 @@ def _host_figures(state: JobSeries) -> None:
     state.set_gauge("host_wait_ratio", sum(w for _, w in both) / total if total > 0 else None)
 
 
-def _goodput(state: JobSeries, goodput: object) -> None:
-    """The job's ledger (across its sessions where it had several): its ratio, and its
-    lost seconds by cause, which never go down (a counter; a cause recognised later may
-    move seconds from unexplained to another)."""
-    if not isinstance(goodput, dict):
-        return
-    job = goodput.get("job")
-    ledger: dict[str, Any] = job if isinstance(job, dict) else goodput
-    state.set_gauge("goodput_ratio", _number(ledger.get("ratio")))
-    for cause in CAUSES:
-        seconds = _number((ledger.get("lost_seconds") or {}).get(cause))
-        if seconds is not None:
-            state.lost_seconds[cause] = max(seconds, state.lost_seconds.get(cause, 0.0))
-
-
-def _active_fail_slow(events: object) -> tuple[float, str] | None:
-    """(step time over the healthy baseline, the phase that moved most) of the fail-slow
-    episode still open at the end of ``events`` (final_statistics.fail_slow), or None."""
-    if not isinstance(events, list) or not events or not isinstance(events[-1], dict):
-        return None
-    last = events[-1]
-    after = _number(last.get("after_step_time_ms"))
-    base = _number(last.get("baseline_step_time_ms")) or _number(
-        last.get("before_step_time_ms"))
-    if last.get("event") not in EPISODE_OPEN or after is None or not base:
-        return None
-    phases = last.get("phases")
-    first = phases[0] if isinstance(phases, list) and phases else None
-    phase = first.get("phase") if isinstance(first, dict) else None
-    return after / base, phase if isinstance(phase, str) and phase in FAIL_SLOW_PHASES else (
-        "unknown")
-
-
 class JobMetrics(SessionObserver):
     """A session's figures pushed to ``metrics`` under the job's name (one per session).
 
@@ -446,19 +353,11 @@ class JobMetrics(SessionObserver):
         for step_s in step_times_s:
             self.metrics.iteration(self.job, step_s)
 
-    def interval(self, entry: dict[str, Any]) -> None:
-        self.metrics.interval(self.job, entry)
-        # Sessions of several ranks: each rank's compute, wait and straggler flag.
-        for rank in entry.get("ranks") or []:
-            compute, wait = rank.get("avg_compute_ms"), rank.get("avg_wait_ms")
-            self.metrics.rank_values(self.job, rank.get("rank"), rank["pid"], {
-                "compute_seconds": compute / 1e3 if compute is not None else None,
-                "wait_seconds": wait / 1e3 if wait is not None else None,
-                "straggler": 1.0 if rank.get("straggler") else 0.0})
+    def interval(self, figures: IntervalFigures) -> None:
+        self.metrics.interval(self.job, figures)
 
-    def written(self, summary: dict[str, Any]) -> None:
-        self.metrics.statistics(self.job, summary["final_statistics"],
-                                bool(summary["session_info"].get("hung")))
+    def statistics(self, stats: Statistics) -> None:
+        self.metrics.statistics(self.job, stats)
 
 
 def start_metrics(address: str | None, warn: Callable[[str], None],

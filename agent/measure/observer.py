@@ -3,15 +3,18 @@ one session out to several (as dynolog's CompositeLogger does).
 
 A session has one observer (SessionContext.observer). ``attach`` gives it a group
 of the console's progress lines and the job's Prometheus metrics
-(perfmon.agent.measure.metrics.JobMetrics); the node service only the metrics. The
-session writes its summary file itself (a write it cannot do is its exit status)
-and tells ``written`` after each.
+(perfmon.agent.measure.metrics.JobMetrics); the node service only the metrics. What
+they are told is the Summarizer's typed figures (perfmon.parsers.figures), never
+another output's rendering of them. The session writes its summary file itself (a write
+it cannot do is its exit status) and tells ``statistics`` after each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from perfmon.parsers.figures import IntervalFigures, Statistics
 
 if TYPE_CHECKING:
     from perfmon.agent.measure.session import SessionResult
@@ -27,11 +30,12 @@ class SessionObserver:
     def iterations(self, step_times_s: list[float]) -> None:
         """Iterations measured since the last call, their step times (s)."""
 
-    def interval(self, entry: dict[str, Any]) -> None:
-        """A completed iteration_logs entry."""
+    def interval(self, figures: IntervalFigures) -> None:
+        """A completed log interval."""
 
-    def written(self, summary: dict[str, Any]) -> None:
-        """The summary as just written (periodically, and at the end)."""
+    def statistics(self, stats: Statistics) -> None:
+        """The session's figures as the summary just written has them (periodically, and
+        at the end)."""
 
     def finished(self, result: SessionResult) -> None:
         """The session ended; its final summary is written (or failed to be)."""
@@ -51,13 +55,13 @@ class ObserverGroup(SessionObserver):
         for o in self.observers:
             o.iterations(step_times_s)
 
-    def interval(self, entry: dict[str, Any]) -> None:
+    def interval(self, figures: IntervalFigures) -> None:
         for o in self.observers:
-            o.interval(entry)
+            o.interval(figures)
 
-    def written(self, summary: dict[str, Any]) -> None:
+    def statistics(self, stats: Statistics) -> None:
         for o in self.observers:
-            o.written(summary)
+            o.statistics(stats)
 
     def finished(self, result: SessionResult) -> None:
         for o in self.observers:
@@ -67,8 +71,8 @@ class ObserverGroup(SessionObserver):
 class ProgressLines(SessionObserver):
     """One line per completed log interval, through ``show`` (attach's console)."""
 
-    def __init__(self, show: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, show: Callable[[IntervalFigures], None]) -> None:
         self.show = show
 
-    def interval(self, entry: dict[str, Any]) -> None:
-        self.show(entry)
+    def interval(self, figures: IntervalFigures) -> None:
+        self.show(figures)

@@ -57,9 +57,11 @@ from perfmon.parsers.events import (
     Quality,
     SessionEnd,
     SessionStart,
+    Steps,
     cut_to_window,
     sort_key,
 )
+from perfmon.parsers.figures import IntervalFigures, Statistics
 from perfmon.parsers.workload import Workload
 from perfmon.probes.background import BackgroundCalls
 from perfmon.probes.gpu import GpuSource
@@ -110,7 +112,8 @@ class SessionContext:
 class SessionResult:
     summary_path: Path
     events_path: Path
-    summary: dict[str, Any]
+    summary: dict[str, Any]  # as written
+    statistics: Statistics  # its figures, for the end table
     warnings: list[str] = field(default_factory=list)
     # Set when the final summary (or the event log) could not be written: exit 7.
     write_error: OutputNotWritable | None = None
@@ -156,7 +159,6 @@ class MonitorSession:
         self.warn = warn
         self.note = note  # (called with --verbose only)
         self.context = context or SessionContext()
-        self._measured = 0  # step times handed to the observer
         # The latest iteration's end (CLOCK_MONOTONIC ns), read by the node service
         # from its own thread (an idle job yields its slot).
         self.last_iteration_ns: int | None = None
@@ -344,7 +346,7 @@ class MonitorSession:
                 # hang is suspected, and after a fail-slow event until samples show
                 # which phase moved.
                 closer_look = live.closer_look = (live.hangs.suspected(summarizer, now)
-                                                  or summarizer.failslow.wants_samples(now))
+                                                  or summarizer.wants_samples(now))
                 live.budget.update(now, closer_look)
                 if live.markers is not None:
                     live.markers.set_raw_waits(opts.raw_markers or closer_look)
@@ -366,10 +368,7 @@ class MonitorSession:
                     self._stop_reason = "duration"
                 elif now >= next_liveness:
                     next_liveness = now + LIVENESS_INTERVAL_NS
-                    # Every rank gone: ranks may end one by one, and the job's end (and
-                    # each rank's) is only known once the last one has.
-                    if not any(is_running(t) for t in live.targets):
-                        self._stop_reason = "target_exited"
+                    self._check_ranks(live)
         finally:
             # The window ends now: take what the kernel delivered up to this instant,
             # then detach (the caller's ExitStack; it takes a while, and its events
@@ -390,11 +389,12 @@ class MonitorSession:
             self._log(live, SessionEnd(end_ns, self._stop_reason or "error").to_record())
             log_ok = log.close()
             self._take_coarsened(live)
-            summary = build_summary(live.facts, summarizer)
+            stats = summarizer.statistics()
+            summary = build_summary(live.facts, summarizer, stats)
             summary_ok = live.summary_file.write(summary)
-            self.context.observer.written(summary)
+            self.context.observer.statistics(stats)
         result = SessionResult(live.summary_file.path, live.out.path / log.name, summary,
-                               self.warnings)
+                               stats, self.warnings)
         failed = live.summary_file if not summary_ok else (log if not log_ok else None)
         if failed is not None:
             path = live.summary_file.path if failed is live.summary_file else (
@@ -402,6 +402,12 @@ class MonitorSession:
             result.write_error = OutputNotWritable(
                 f"output not writable: {path}: {failed.error.strerror if failed.error else '?'}")
         return result
+
+    def _check_ranks(self, live: _Live) -> None:
+        """Every rank gone ends the session: ranks may end one by one, and the job's end
+        (and each rank's) is only known once the last one has."""
+        if not any(is_running(t) for t in live.targets):
+            self._stop_reason = "target_exited"
 
     def _ingest(self, live: _Live, until_ns: int | None = None) -> bool:
         """Log and reduce what the sources gathered, in (time, type) order; True when an
@@ -420,35 +426,43 @@ class MonitorSession:
         if (until_ns is not None or live.closer_look
                 or now - live.rows_taken_ns >= ROWS_INTERVAL_NS):
             live.rows_taken_ns = now
-            steps = live.rows.take()
-            if steps is not None:
-                completed |= self._log(live, steps.to_record())
+            block = live.rows.take()
+            if block is not None:
+                # Logged as a steps record; the reducers take the block itself.
+                steps = Steps.of_block(block)
+                self._append(live, steps.to_record())
+                completed |= self._observe(live.summarizer.feed_rows(steps.t_mono_ns, block))
         for event in live.summarizer.take_events():
             live.news = True  # (the summary, and the figures that follow it, at once)
             self.warn(describe_event(event))
             if live.incidents is not None:
                 live.incidents.on_event(event)
-        clock = live.summarizer.clock
-        if clock.measured > self._measured:
-            self.context.observer.iterations(
-                [ns / 1e9 for ns in clock.step_times_ns(self._measured)])
-            self._measured = clock.measured
+        step_times_s = live.summarizer.take_step_times_s()
+        if step_times_s:
+            self.context.observer.iterations(step_times_s)
             self.last_iteration_ns = live.summarizer.last_end_t_mono_ns
         return completed
 
     def _log(self, live: _Live, record: dict[str, Any]) -> bool:
         """Log one record and feed it; True when it completed an interval."""
+        self._append(live, record)
+        return self._reduce(live, record)
+
+    @staticmethod
+    def _append(live: _Live, record: dict[str, Any]) -> None:
         live.log.append(record)
         if live.incidents is not None:
             live.incidents.on_record(record)
-        return self._reduce(live, record)
 
     def _reduce(self, live: _Live, record: dict[str, Any]) -> bool:
-        """Feed one record; True when it completed an interval (its entries observed)."""
-        entries = live.summarizer.feed(record)
-        for entry in entries:
-            self.context.observer.interval(entry)
-        return bool(entries)
+        """Feed one record; True when it completed an interval (its figures observed)."""
+        return self._observe(live.summarizer.feed(record))
+
+    def _observe(self, intervals: list[IntervalFigures]) -> bool:
+        """Tell the intervals just completed; True when there was one."""
+        for figures in intervals:
+            self.context.observer.interval(figures)
+        return bool(intervals)
 
     def _take_coarsened(self, live: _Live) -> None:
         """Parts of the log just made coarser: their ``coarsened`` records (in those
@@ -488,7 +502,8 @@ class MonitorSession:
         """
         self._log_quality(live)
         log, summary_file = live.log, live.summary_file
-        summary = build_summary(live.facts, live.summarizer)
+        stats = live.summarizer.statistics()
+        summary = build_summary(live.facts, live.summarizer, stats)
         for what, ok, error in (
             ("event log", log.flush(), log.error),
             ("summary", summary_file.write(summary, compact=True), summary_file.error),
@@ -501,7 +516,7 @@ class MonitorSession:
             elif ok and failing:
                 self.warn(f"the {what} is written again")
             self._failing[what] = not ok
-        self.context.observer.written(summary)
+        self.context.observer.statistics(stats)
 
     # -- hangs -----------------------------------------------------------------------
 

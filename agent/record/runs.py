@@ -35,6 +35,7 @@ from perfmon.agent.record.summary import (
     parse_summary,
 )
 from perfmon.parsers.errors import InputFileError, PerfmonError
+from perfmon.parsers.figures import IntervalFigures, Statistics, parse
 from perfmon.parsers.job_identity import decimal_number
 from perfmon.probes.files import open_user_file, read_user_file_and_status
 
@@ -63,6 +64,16 @@ class RecordedRun:
     @property
     def stats(self) -> FinalStatistics:
         return self.summary["final_statistics"]  # type: ignore[no-any-return]
+
+    @functools.cached_property
+    def figures(self) -> Statistics:
+        """Its final statistics as the typed figures (perfmon.parsers.figures)."""
+        return parse(Statistics, self.stats)
+
+    @functools.cached_property
+    def intervals(self) -> list[IntervalFigures]:
+        """Its iteration_logs entries as the typed figures (an unknown one left out)."""
+        return [parse(IntervalFigures, e) for e in self.entries]
 
     @property
     def entries(self) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from perfmon.agent.console import Output, print_summary_table, warn
 from perfmon.agent.record.layout import LOG_NAME, SUMMARY_NAME, summary_beside
 from perfmon.agent.record.outputs import json_bytes, write_user_file
 from perfmon.agent.record.replay import rebuild_from_event_log
+from perfmon.parsers.figures import Statistics, parse
 
 SUMMARIZE_EPILOG = """examples:
   perfmon-agent summarize outputs/logs/perf_monitor/perf_events_20261130_120000.msgpack
@@ -37,7 +38,10 @@ def summarize_main(args: argparse.Namespace) -> int:
     if args.json:
         out.write(json_bytes(rebuilt.summary).decode())
     else:
-        out.table(lambda: print_summary_table(out.console, rebuilt.summary, output))
+        # (the figures as the summary, kept to its schema, has them)
+        stats = parse(Statistics, rebuilt.summary["final_statistics"])
+        out.table(lambda: print_summary_table(out.console, stats,
+                                              rebuilt.summary["session_info"], output))
     return 0
 
 

@@ -19,6 +19,7 @@ from perfmon.agent.record.layout import session_names
 from perfmon.agent.record.outputs import WRITE_ERRNOS, OutputDir, OutputDirError, json_bytes
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.errors import InputFileError
+from perfmon.parsers.figures import Statistics, render
 from perfmon.parsers.schema_filter import SchemaFilter
 from perfmon.probes.files import read_user_file
 
@@ -26,7 +27,7 @@ MAX_SUMMARY_BYTES = 256 << 20  # a summary keeps at most --max-log-entries entri
 
 # The summary's three parts as typed records, for the views that read them back. Every
 # value may be None: a view reads summaries anyone may have written, kept to the schema
-# by read_summary, which turns a wrong value into None. tests/test_architecture.py checks
+# by read_summary, which turns a wrong value into None. tests/unit/test_architecture.py checks
 # that their keys are the schema's.
 
 class SessionInfo(TypedDict, total=False):
@@ -152,9 +153,11 @@ class IterationEntry(TypedDict, total=False):
 
 
 
-def build_summary(session: dict[str, Any], summarizer: Summarizer) -> dict[str, Any]:
-    """The summary document for the records the summarizer has seen so far (written
-    with json_bytes, which turns a NaN or an infinity into null).
+def build_summary(session: dict[str, Any], summarizer: Summarizer,
+                  stats: Statistics | None = None) -> dict[str, Any]:
+    """The summary document for the records the summarizer has seen so far, its figures
+    rendered in the summary's keys and units (``stats``: its statistics, when the caller
+    has them already). Written with json_bytes, which turns a NaN or an infinity into null.
 
     ``end_time`` is null while the session runs; ``end_reason`` says why it
     ended (target_exited, duration, SIGINT, SIGTERM, SIGHUP, stdout_closed, error,
@@ -163,8 +166,8 @@ def build_summary(session: dict[str, Any], summarizer: Summarizer) -> dict[str, 
     """
     return {
         "session_info": {**session, **summarizer.session_fields()},
-        "final_statistics": summarizer.final_statistics(),
-        "iteration_logs": summarizer.iteration_logs,
+        "final_statistics": render(stats if stats is not None else summarizer.statistics()),
+        "iteration_logs": [render(e) for e in summarizer.intervals_logged],
     }
 
 

@@ -48,7 +48,7 @@ from perfmon.agent.reducers.iterations import Iteration, IterationClock
 from perfmon.agent.reducers.steps import RowSource
 from perfmon.parsers.errors import InputFileError, PerfmonError
 from perfmon.parsers.gpu_samples import job_gpu_indices
-from perfmon.parsers.step_rows import decode_steps
+from perfmon.parsers.step_rows import StepBlock, decode_steps
 from perfmon.parsers.workload import Workload
 
 CLOCK = "CLOCK_MONOTONIC"
@@ -234,9 +234,9 @@ class _Log:
 
     def feed(self, record: dict[str, Any]) -> None:
         kind = record["type"]
-        steps = self.rows.take_before(kind) if self.rows is not None else None
-        if steps is not None:
-            self._on_steps(steps)
+        block = self.rows.take_before(kind) if self.rows is not None else None
+        if block is not None:
+            self._on_block(block)
         handler = self._handlers.get(kind)
         if handler is not None:
             handler(record)
@@ -249,7 +249,9 @@ class _Log:
             self.rows.feed(record)
 
     def _on_steps(self, record: dict[str, Any]) -> None:
-        b = decode_steps(record)
+        self._on_block(decode_steps(record))
+
+    def _on_block(self, b: StepBlock) -> None:
         for pid, end, micro, how, bw_from, bw_to in zip(
                 b.pid.tolist(), b.end_ns.tolist(), b.micro.tolist(), b.how.tolist(),
                 b.backward_from_ns.tolist(), b.backward_to_ns.tolist(), strict=True):
@@ -269,12 +271,12 @@ class _Log:
         r.ends.append(it.end_t_mono_ns)
         figures = r.cuda.window(start, it.end_t_mono_ns, 1)
         r.cuda.prune(start)
-        if figures["cpu_sync_wait_ms"] is None:
+        if figures["cpu_sync_wait_s"] is None:
             return
         ts = _us(start)
         for name, key, value in (
                 ("CUDA kernel launches / iteration", "launches", figures["kernels_per_iter"]),
-                ("CUDA sync wait / iteration", "ms", figures["cpu_sync_wait_ms"]),
+                ("CUDA sync wait / iteration", "ms", figures["cpu_sync_wait_s"] * 1e3),
                 ("NCCL calls / iteration", "calls", figures["nccl_calls_per_iter"]),
                 ("NCCL bytes / iteration", "MiB", figures["nccl_bytes_per_iter"] / MIB)):
             if value is not None:

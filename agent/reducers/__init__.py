@@ -24,6 +24,7 @@ means one record type (perfmon.parsers.events) and one reducer here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -39,7 +40,14 @@ from perfmon.agent.reducers.ranks import RankTimes
 from perfmon.agent.reducers.resources import Resources
 from perfmon.agent.reducers.steps import RowSource
 from perfmon.parsers.events import BY_TYPE
-from perfmon.parsers.step_rows import decode_steps
+from perfmon.parsers.figures import (
+    FailSlowEvent,
+    IntervalFigures,
+    RankFigures,
+    Statistics,
+    StragglerEpisode,
+)
+from perfmon.parsers.step_rows import StepBlock, decode_steps
 from perfmon.parsers.workload import Workload
 
 __all__ = ["DEFAULT_MAX_LOG_ENTRIES", "Summarizer", "rank_map"]
@@ -94,6 +102,7 @@ class Summarizer:
                  step_rows: bool = False, process_start_ns: int | None = None,
                  previous: dict[str, Any] | None = None, attach_only: bool = False) -> None:
         self.workload = workload
+        self._rank_of = ranks or {}
         self.start_t_mono_ns = start_t_mono_ns
         self.start_wall_s = start_wall_s
         self.end_t_mono_ns: int | None = None
@@ -113,6 +122,7 @@ class Summarizer:
         self.goodput = Goodput(start_t_mono_ns, process_start_ns, len(ranks or [primary_pid]),
                                previous, attach_only=attach_only)
         self._latest_ns = start_t_mono_ns  # the latest record's time: "now" for the ledger
+        self._told = 0  # measured iterations whose step times take_step_times_s gave
         self.intervals = Intervals(
             clock=self.clock, phases=self.phases, resources=self.resources, cuda=self.cuda,
             log_interval=log_interval, max_log_entries=max_log_entries,
@@ -148,31 +158,38 @@ class Summarizer:
 
     # -- feeding ---------------------------------------------------------------------
 
-    def feed(self, record: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take one record; return the iteration_logs entries it completed."""
+    def feed(self, record: dict[str, Any]) -> list[IntervalFigures]:
+        """Take one record (as the log holds it); return the log intervals it completed."""
         kind = record["type"]
         self._latest_ns = max(self._latest_ns, record.get("t_mono_ns") or 0)
         self._take_rows(kind)
         handler = self._handlers.get(kind)
         if handler is not None:
             handler(record)
-        if kind == "session_end":
-            done = self.intervals.finalize(record["t_mono_ns"], True)
-            self.failslow.resolve(self.intervals.entries, True)
-            return self._numbered(done)
-        if not self._waiting:  # (the list itself: this runs for every record)
+        return self._completed(record["t_mono_ns"], kind == "session_end")
+
+    def feed_rows(self, t_mono_ns: int, block: StepBlock) -> list[IntervalFigures]:
+        """Take a block of step rows (the live session's, as it logs them as a ``steps``
+        record at ``t_mono_ns``); return the log intervals it completed."""
+        self._latest_ns = max(self._latest_ns, t_mono_ns)
+        self._on_block(block)
+        return self._completed(t_mono_ns, False)
+
+    def _completed(self, t_mono_ns: int, final: bool) -> list[IntervalFigures]:
+        """The log intervals complete at ``t_mono_ns`` (``final``: the session's end)."""
+        if not (self._waiting or final):  # (the list itself: this runs for every record)
             return []
-        done = self.intervals.finalize(record["t_mono_ns"], False)
-        if done:
-            self.failslow.resolve(self.intervals.entries, False)
+        done = self.intervals.finalize(t_mono_ns, final)
+        if done or final:
+            self.failslow.resolve(self.intervals.entries, final)
         return self._numbered(done)
 
-    def _numbered(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Entries as the job numbers its iterations, with the best offset known now:
+    def _numbered(self, entries: list[IntervalFigures]) -> list[IntervalFigures]:
+        """Intervals as the job numbers its iterations, with the best offset known now:
         they are kept with our own count, as later reads of the job's counter may
         correct the offset."""
         offset = self.clock.job.offset
-        return [{**e, "iteration": e["iteration"] + offset} for e in entries] if offset else (
+        return [replace(e, iteration=e.iteration + offset) for e in entries] if offset else (
             entries)
 
     def _on_marker(self, record: dict[str, Any]) -> None:
@@ -183,12 +200,14 @@ class Summarizer:
     def _take_rows(self, kind: str = "") -> None:
         """Reduce the rows made of an older log's markers so far (a block: before a
         record of another type, and before anything is read)."""
-        steps = self._rows.take_before(kind) if self._rows is not None else None
-        if steps is not None:
-            self._on_steps(steps)
+        block = self._rows.take_before(kind) if self._rows is not None else None
+        if block is not None:
+            self._on_block(block)
 
     def _on_steps(self, record: dict[str, Any]) -> None:
-        block = decode_steps(record)
+        self._on_block(decode_steps(record))
+
+    def _on_block(self, block: StepBlock) -> None:
         self.ranks.on_rows(block)
         mine = block.pid == self._primary
         if not mine.any():
@@ -223,9 +242,23 @@ class Summarizer:
         if self.cuda is not None:
             self.cuda.on_snapshot(record)
 
-    def take_events(self) -> list[dict[str, Any]]:
-        """Straggler and fail-slow events found since the last call (for live lines)."""
-        events = self.ranks.new_events + self.failslow.new_events
+    def take_step_times_s(self) -> list[float]:
+        """The step times (s) of the iterations measured since the last call."""
+        clock, told = self.clock, self._told
+        if clock.measured <= told:
+            return []
+        self._told = clock.measured
+        return [ns / 1e9 for ns in clock.step_times_ns(told)]
+
+    def wants_samples(self, now_ns: int) -> bool:
+        """Whether a fail-slow event waits for stack samples to tell which phase moved."""
+        return self.failslow.wants_samples(now_ns)
+
+    def take_events(self) -> list[StragglerEpisode | FailSlowEvent]:
+        """Straggler episodes opened or closed and fail-slow events since the last call
+        (for live lines and incidents)."""
+        events: list[StragglerEpisode | FailSlowEvent] = [
+            *self.ranks.new_events, *self.failslow.new_events]
         self.ranks.new_events, self.failslow.new_events = [], []
         return events
 
@@ -245,7 +278,8 @@ class Summarizer:
     # -- reading -----------------------------------------------------------------------
 
     @property
-    def iteration_logs(self) -> list[dict[str, Any]]:
+    def intervals_logged(self) -> list[IntervalFigures]:
+        """The log intervals kept (``iteration_logs``), numbered as the job numbers them."""
         self._take_rows()
         return self._numbered(self.intervals.entries)
 
@@ -290,7 +324,7 @@ class Summarizer:
     def _goodput(self) -> dict[str, Any]:
         offset = self.clock.job.offset
         ledger = self.goodput.summary(self.end_t_mono_ns or self._latest_ns,
-                                      self.failslow.summary(), self.ranks.stragglers(),
+                                      self.failslow.events, self.ranks.stragglers(),
                                       self.hangs.hung,
                                       1 + offset if offset is not None else None,
                                       exited=self.end_reason in ENDED_WITH_THE_RANKS)
@@ -300,44 +334,38 @@ class Summarizer:
                                         if offset is not None else None)
         return ledger
 
-    def final_statistics(self) -> dict[str, Any]:
+    def statistics(self) -> Statistics:
+        """The session's figures so far."""
         self._take_rows()
-        samples_s, tokens_s, tflops = self.clock.totals.rates(self.workload.world_size)
-        peak = self.workload.peak_tflops
-        steps = self.clock.summary()
-        resources = self.resources.summary()
+        samples_s, tokens_s, flops = self.clock.totals.rates(self.workload.world_size)
         w = self.workload
-        hardware = (tflops * w.hardware_flops_per_sample / w.flops_per_sample
-                    if tflops is not None and w.hardware_flops_per_sample
+        peak = w.peak_tflops * 1e12 if w.peak_tflops else None
+        hardware = (flops * w.hardware_flops_per_sample / w.flops_per_sample
+                    if flops is not None and w.hardware_flops_per_sample
                     and w.flops_per_sample else None)
-        stats: dict[str, Any] = {
-            "avg_tflops_per_gpu": tflops,
-            "avg_step_time_ms": steps.pop("avg_step_time_ms"),
-            "peak_memory_gb": resources.pop("peak_memory_gb"),
-            "memory_kind": resources.pop("memory_kind"),
-            "avg_tokens_per_sec": tokens_s,
-            "avg_samples_per_sec": samples_s,
-            **steps,
-            "mfu": tflops / peak if tflops is not None and peak else None,
-            "avg_hardware_tflops_per_gpu": hardware,
-            "lost_events": self.lost_events,
-            **resources,
-            "phases": PhaseAccount.breakdown(self.phases.total_ns, self.phases.total_iterations),
-            "phases_source": self.phases.source,
+        quality, losses = self.quality.summary({"iterations": self.clock.quality()})
+        goodput = self._goodput()
+        ledger = goodput.get("job") or goodput
+        resources = self.resources.summary()
+        cuda = self.cuda.summary() if self.cuda is not None else {}
+        return Statistics(
+            flops_per_gpu=flops, tokens_per_s=tokens_s, samples_per_s=samples_s,
+            mfu=flops / peak if flops is not None and peak else None,
+            hardware_flops_per_gpu=hardware, lost_events=self.lost_events,
+            **self.clock.summary(), **resources, **cuda, ranks=self._ranks(),
+            phases=PhaseAccount.breakdown(self.phases.total_ns, self.phases.total_iterations),
+            phases_source=self.phases.source,
             # (the iterations the breakdown rests on: with bursts, those sampled)
-            "phases_iterations": self.phases.total_iterations if self.phases.source else None,
-            **(self.cuda.summary() if self.cuda is not None else {}),
-            "hangs": self.hangs.hangs,
-            "stragglers": self.ranks.stragglers(),
-            "fail_slow": self.failslow.summary(),
-            "goodput": self._goodput(),
-            "data_quality": self.quality.summary({"iterations": self.clock.quality()}),
-        }
-        # Each rank's memory peaks (resources) and its step, wait and compute means.
-        times = self.ranks.summary()
-        by_pid = {r["pid"]: r for r in stats["ranks"]}
-        for pid, means in times.items():
-            by_pid.setdefault(pid, {"pid": pid}).update(
-                {k: v for k, v in means.items() if k != "pid"})
-        stats["ranks"] = sorted(by_pid.values(), key=lambda r: r["pid"])
-        return stats
+            phases_iterations=self.phases.total_iterations if self.phases.source else None,
+            hangs=tuple(self.hangs.hangs), stragglers=tuple(self.ranks.stragglers()),
+            fail_slow=tuple(self.failslow.events), goodput=goodput, data_quality=quality,
+            hung=self.hangs.hung, fail_slow_now=self.failslow.now(), losses=losses,
+            goodput_ratio=ledger["ratio"], lost_s=ledger["lost_seconds"])
+
+    def _ranks(self) -> tuple[RankFigures, ...]:
+        """Each rank's peaks (resources) and its step, wait and compute means, by pid."""
+        peaks, times = self.resources.rank_peaks(), self.ranks.summary()
+        return tuple(
+            replace(times[pid], **peaks.get(pid, {})) if pid in times
+            else RankFigures(pid=pid, rank=self._rank_of.get(pid), **peaks[pid])
+            for pid in sorted(peaks.keys() | times.keys()))

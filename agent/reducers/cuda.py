@@ -33,15 +33,17 @@ def _add(total: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
 
 def per_iteration(delta: dict[str, Any] | None, iterations: int,
                   launch_iterations: int) -> dict[str, Any]:
-    """Per-iteration figures of a counter delta over ``iterations`` (``launch_iterations``
-    of which had the launch probes attached)."""
+    """Per-iteration figures (perfmon.parsers.figures' fields) of a counter delta
+    over ``iterations`` (``launch_iterations`` of which had the launch probes attached)."""
     if delta is None or iterations <= 0:
-        return dict.fromkeys(("kernels_per_iter", "cpu_sync_wait_ms", "nccl_calls_per_iter",
-                              "nccl_bytes_per_iter", "nccl_per_iter_by_collective"))
+        return {"cuda": True, **dict.fromkeys((
+            "kernels_per_iter", "cpu_sync_wait_s", "nccl_calls_per_iter",
+            "nccl_bytes_per_iter", "nccl_per_iter_by_collective"))}
     return {
+        "cuda": True,
         "kernels_per_iter": (delta["launches"] / launch_iterations
                              if launch_iterations else None),
-        "cpu_sync_wait_ms": delta["sync_wait_ns"] / iterations / 1e6,
+        "cpu_sync_wait_s": delta["sync_wait_ns"] / iterations / 1e9,
         "nccl_calls_per_iter": sum(delta["nccl_calls"].values()) / iterations,
         "nccl_bytes_per_iter": sum(delta["nccl_bytes"].values()) / iterations,
         "nccl_per_iter_by_collective": {

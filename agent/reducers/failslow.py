@@ -73,23 +73,37 @@ detection.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from perfmon.agent.reducers.pace import Pace
 from perfmon.agent.reducers.ranks import MAD_TO_SIGMA, RankTimes
+from perfmon.parsers.figures import (
+    FailSlowEvent,
+    FailSlowNow,
+    IntervalFigures,
+    PhaseShift,
+    RankShift,
+)
 
 MAX_EVENTS = 500  # the most recent kept
 EVENT_KINDS = ("fail_slow", "eased", "recovered_partly", "recovered")
 EPISODE_CLOSES = frozenset({"recovered", "recovered_partly"})
-# Interval entry fields that are the step itself, not the state around it.
-_NOT_STATE = {"end_monotonic_ns", "iteration", "timestamp", "step_time_ms", "TFLOPS_per_GPU",
-              "tokens_per_sec", "samples_per_sec", "kept_one_in", "phases", "ranks"}
+# A fail-slow episode is open when the last event is one of these.
+EPISODE_OPEN = frozenset(EVENT_KINDS) - EPISODE_CLOSES
+# The interval figures that are the state around the step (not the step itself), as the
+# summary shows them: (field, its key there, the factor from SI to its unit there).
+_STATE = tuple((f.name, f.metadata["key"], f.metadata["unit"].per_si)
+               for f in dataclasses.fields(IntervalFigures) if f.name in {
+                   "memory_bytes", "gpu_utilization", "gpu_power_w", "gpu_throttle_reasons",
+                   "kernels_per_iter", "cpu_sync_wait_s", "nccl_calls_per_iter",
+                   "nccl_bytes_per_iter"})
 
 
 @dataclass(frozen=True)
@@ -121,8 +135,10 @@ class FailSlow:
         self.rule = rule or FailSlowRule()
         self.wall_time = wall_time
         self.ranks = ranks
-        self.events: list[dict[str, Any]] = []
-        self.new_events: list[dict[str, Any]] = []  # for live lines
+        self.events: list[FailSlowEvent] = []
+        # When each event's before starts and its change settled (its phases' sides).
+        self._sides: list[tuple[int, int]] = []
+        self.new_events: list[FailSlowEvent] = []  # for live lines
         self.warmup_until_ns: int | None = None  # the end of the blocks left out as warm-up
         self._current: list[tuple[int, int]] = []  # (end, step) of the block being filled
         self._current_ns = 0  # ... the time of its steps
@@ -396,21 +412,17 @@ class FailSlow:
             drift = drift or change_ns - began_ns > 2 * self.rule.sustain_s * 1e9
             change_ns = began_ns if drift else change_ns
         before_from = self._blocks[max(0, start - self.rule.before_blocks)][0]
-        event: dict[str, Any] = {
-            "event": kind, "t_mono_ns": change_ns, "timestamp": self.wall_time(change_ns),
-            "detected_mono_ns": detected_ns, "detected": self.wall_time(detected_ns),
-            "before_step_time_ms": before / 1e6, "after_step_time_ms": after / 1e6,
-            "change_pct": 100 * (after / before - 1),
-            "baseline_step_time_ms": self.baseline / 1e6,
-            "vs_baseline_pct": 100 * math.expm1(above),
-            "min_shift_pct": 100 * math.expm1(threshold), "drift": drift,
-            "_before_from_ns": before_from, "_settled_ns": self._blocks[start][1],
-            "ranks": self._ranks(before_from, change_ns),
-            "phases": None, "state": None,
-        }
+        event = FailSlowEvent(
+            event=kind, t_ns=change_ns, timestamp=self.wall_time(change_ns),
+            detected_ns=detected_ns, detected=self.wall_time(detected_ns),
+            before_step_s=before / 1e9, after_step_s=after / 1e9, change=after / before - 1,
+            baseline_step_s=self.baseline / 1e9, vs_baseline=math.expm1(above),
+            min_shift=math.expm1(threshold), drift=drift,
+            ranks=self._ranks(before_from, change_ns))
         self.events.append(event)
+        self._sides.append((before_from, self._blocks[start][1]))
         if len(self.events) > MAX_EVENTS:
-            del self.events[0]
+            del self.events[0], self._sides[0]
         self.new_events.append(event)
         self.slow = kind in ("fail_slow", "eased")
         self._episode_level = self._came_back_to = after  # (where the last event put it)
@@ -419,10 +431,10 @@ class FailSlow:
             self._healthy.clear()
         self._at_pace(after, recent)
 
-    def _ranks(self, before_from: int, change_ns: int) -> list[dict[str, Any]]:
+    def _ranks(self, before_from: int, change_ns: int) -> tuple[RankShift, ...]:
         """Each rank's compute and wait before and after the change (its recent ends)."""
         if self.ranks is None:
-            return []
+            return ()
         out = []
         for r in self.ranks.all():
             recent = r.recent
@@ -431,65 +443,78 @@ class FailSlow:
             if not before or not after:
                 continue
 
-            def mean_ms(values: list[tuple[int, int]], compute: bool) -> float:
-                return statistics.fmean((s - w) if compute else w for s, w in values) / 1e6
+            def mean_s(values: list[tuple[int, int]], compute: bool) -> float:
+                return statistics.fmean((s - w) if compute else w for s, w in values) / 1e9
 
-            out.append({"pid": r.pid, "rank": r.rank,
-                        "compute_ms": [mean_ms(before, True), mean_ms(after, True)],
-                        "wait_ms": [mean_ms(before, False), mean_ms(after, False)]})
-        if out:
-            rise = max(a[1] - a[0] for a in (o["compute_ms"] for o in out))
-            for o in out:
-                delta = o["compute_ms"][1] - o["compute_ms"][0]
-                o["moved"] = abs(delta) >= 0.5 * abs(rise) and abs(delta) >= 0.5
-        return out
+            out.append(RankShift(r.pid, r.rank, (mean_s(before, True), mean_s(after, True)),
+                                 (mean_s(before, False), mean_s(after, False))))
+        if not out:
+            return ()
+        rise = max(o.compute_s[1] - o.compute_s[0] for o in out)
 
-    def resolve(self, entries: list[dict[str, Any]], final: bool) -> None:
-        """Fill in the phases and interval fields that moved, from the iteration_logs
-        entries on either side of each event: since the previous event up to the change,
-        and from the first changed block's end up to the next event. Phases wait for
-        entries with phases on both sides (until ``final``)."""
+        def moved(o: RankShift) -> bool:
+            delta = o.compute_s[1] - o.compute_s[0]
+            return abs(delta) >= 0.5 * abs(rise) and abs(delta) >= 0.5e-3
+
+        return tuple(replace(o, moved=moved(o)) for o in out)
+
+    def resolve(self, entries: list[IntervalFigures], final: bool) -> None:
+        """Fill in the phases and interval fields that moved, from the logged intervals on
+        either side of each event: since the previous event up to the change, and from the
+        first changed block's end up to the next event. Phases wait for intervals with
+        phases on both sides (until ``final``)."""
         for i, event in enumerate(self.events):
-            if event["phases"] is not None:
+            if event.phases is not None:
                 continue
-            previous = self.events[i - 1]["t_mono_ns"] if i else 0
-            nxt = self.events[i + 1]["t_mono_ns"] if i + 1 < len(self.events) else None
-            before = [e for e in entries if previous <= e["end_monotonic_ns"] <= event["t_mono_ns"]]
-            after = [e for e in entries if e["end_monotonic_ns"] > event["_settled_ns"]
-                     and (nxt is None or e["end_monotonic_ns"] <= nxt)]
-            if before and after:
-                event["state"] = _moved_state(before, after)
-            phased = [e for e in before if e.get("phases")], [e for e in after if e.get("phases")]
+            previous = self.events[i - 1].t_ns if i else 0
+            nxt = self.events[i + 1].t_ns if i + 1 < len(self.events) else None
+            settled = self._sides[i][1]
+            before = [e for e in entries if previous <= e.end_ns <= event.t_ns]
+            after = [e for e in entries if e.end_ns > settled
+                     and (nxt is None or e.end_ns <= nxt)]
+            state = _moved_state(before, after) if before and after else event.state
+            phased = [e for e in before if e.phases], [e for e in after if e.phases]
             # A few entries a side: one entry's phases may rest on a handful of samples.
             enough = min(map(len, phased)) >= self.rule.phase_entries
+            phases = None
             if enough or (final and phased[0] and phased[1]):
-                event["phases"] = _moved_phases(*phased, event)
+                phases = _moved_phases(*phased, event)
             elif final:
-                event["phases"] = []
-                event["state"] = event["state"] if event["state"] is not None else {}
+                phases, state = (), state if state is not None else {}
+            self.events[i] = replace(event, phases=phases, state=state)
 
     def wants_samples(self, now_ns: int) -> bool:
         """Whether an event waits for stack samples past its change (for ``boost_s``)."""
-        return any(e["phases"] is None and now_ns - e["detected_mono_ns"] < self.rule.boost_s * 1e9
+        return any(e.phases is None and now_ns - e.detected_ns < self.rule.boost_s * 1e9
                    for e in self.events[-2:])
 
-    def summary(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in e.items() if not k.startswith("_")} for e in self.events]
+    def now(self) -> FailSlowNow | None:
+        """The episode open now (its last event's step over the healthy baseline, and the
+        phase that moved most), or None."""
+        if not self.events or self.events[-1].event not in EPISODE_OPEN:
+            return None
+        last = self.events[-1]
+        base = last.baseline_step_s or last.before_step_s
+        if not base:
+            return None
+        return FailSlowNow(last.after_step_s / base,
+                           last.phases[0].phase if last.phases else "unknown")
 
 
-def episodes(events: list[dict[str, Any]], end_ns: int) -> list[tuple[int, int, dict[str, Any]]]:
+def episodes(events: Iterable[FailSlowEvent], end_ns: int
+             ) -> list[tuple[int, int, FailSlowEvent]]:
     """The fail-slow episodes in ``events`` (in time order): (from its first change, to
     the change that closed it or ``end_ns`` when still open, its first event)."""
     out = []
-    opened: dict[str, Any] | None = None
+    opened: FailSlowEvent | None = None
     for e in events:
-        if e["event"] == "fail_slow" and opened is None:
+        if e.event == "fail_slow" and opened is None:
             opened = e
-        elif e["event"] in EPISODE_CLOSES and opened is not None:
-            out.append((opened["t_mono_ns"], e["t_mono_ns"], opened))
+        elif e.event in EPISODE_CLOSES and opened is not None:
+            out.append((opened.t_ns, e.t_ns, opened))
             opened = None
     if opened is not None:
-        out.append((opened["t_mono_ns"], end_ns, opened))
+        out.append((opened.t_ns, end_ns, opened))
     return out
 
 
@@ -497,38 +522,40 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def _moved_phases(before: list[dict[str, Any]], after: list[dict[str, Any]],
-                  event: dict[str, Any]) -> list[dict[str, Any]]:
+def _moved_phases(before: list[IntervalFigures], after: list[IntervalFigures],
+                  event: FailSlowEvent) -> tuple[PhaseShift, ...]:
     """Phases whose mean time per iteration moved by at least a quarter of the step's
     change (largest first)."""
-    step_delta = event["after_step_time_ms"] - event["before_step_time_ms"]
-    names = {p for e in before + after for p in (e.get("phases") or {})}
+    step_delta = event.after_step_s - event.before_step_s
+    names = {p for e in before + after for p in (e.phases or {})}
     moved = []
     for name in names:
-        b = _mean([e["phases"][name]["ms"] for e in before if (e.get("phases") or {}).get(name)])
-        a = _mean([e["phases"][name]["ms"] for e in after if (e.get("phases") or {}).get(name)])
+        b = _mean([e.phases[name]["ms"] for e in before if e.phases and e.phases.get(name)])
+        a = _mean([e.phases[name]["ms"] for e in after if e.phases and e.phases.get(name)])
         if a is None or b is None:
             continue
+        a, b = a / 1e3, b / 1e3
         if abs(a - b) >= 0.25 * abs(step_delta) and (a - b) * step_delta > 0:
-            moved.append({"phase": name, "before_ms": b, "after_ms": a, "delta_ms": a - b})
-    return sorted(moved, key=lambda m: -abs(m["delta_ms"]))
+            moved.append(PhaseShift(name, b, a, a - b))
+    return tuple(sorted(moved, key=lambda m: -abs(m.delta_s)))
 
 
-def _moved_state(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
-    """Interval fields (memory, GPU utilization, power, throttle reasons) that changed:
-    numbers by 10 % or more, throttle reasons that appeared or went."""
+def _moved_state(before: list[IntervalFigures], after: list[IntervalFigures]
+                 ) -> dict[str, Any]:
+    """Interval figures (memory, GPU utilization, power, throttle reasons, CUDA activity)
+    that changed, as the summary shows them: numbers by 10 % or more, throttle reasons
+    that appeared or went."""
     out: dict[str, Any] = {}
-    keys = {k for e in before + after for k in e if k not in _NOT_STATE}
-    for key in sorted(keys):
-        values = [e.get(key) for e in before], [e.get(key) for e in after]
-        if all(isinstance(v, (int, float)) for v in values[0] + values[1] if v is not None):
-            b = _mean([v for v in values[0] if v is not None])
-            a = _mean([v for v in values[1] if v is not None])
-            if a is not None and b is not None and abs(a - b) > 0.1 * max(abs(b), 1e-9):
-                out[key] = [b, a]
-        elif key == "gpu_throttle_reasons":
+    for name, key, per_si in _STATE:
+        values = [getattr(e, name) for e in before], [getattr(e, name) for e in after]
+        if name == "gpu_throttle_reasons":
             b_set = {r for v in values[0] if v for r in v}
             a_set = {r for v in values[1] if v for r in v}
             if a_set != b_set:
                 out[key] = [sorted(b_set), sorted(a_set)]
-    return out
+            continue
+        b = _mean([v for v in values[0] if v is not None])
+        a = _mean([v for v in values[1] if v is not None])
+        if a is not None and b is not None and abs(a - b) > 0.1 * max(abs(b), 1e-9):
+            out[key] = [b * per_si, a * per_si]
+    return dict(sorted(out.items()))

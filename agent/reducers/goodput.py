@@ -49,12 +49,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from perfmon.agent.reducers.failslow import episodes
 from perfmon.agent.reducers.pace import Pace
+from perfmon.parsers.figures import FailSlowEvent, StragglerEpisode
 
 CAUSES = ("startup", "hang", "restart", "straggler", "slowdown", "data_stall", "unexplained")
 MAX_BINS = 4096
@@ -244,8 +245,8 @@ class Goodput:
 
     # -- the ledger --------------------------------------------------------------------------
 
-    def summary(self, end_ns: int, fail_slow: list[dict[str, Any]],
-                stragglers: Iterable[dict[str, Any]], hung: bool,
+    def summary(self, end_ns: int, fail_slow: Sequence[FailSlowEvent],
+                stragglers: Sequence[StragglerEpisode], hung: bool,
                 first_job_iteration: int | None = None, *, exited: bool = False
                 ) -> dict[str, Any]:
         """final_statistics.goodput at ``end_ns``: the session's ledger, and with earlier
@@ -254,7 +255,7 @@ class Goodput:
         ``exited``: the session ended as its ranks exited (the time after their last
         iteration was their end, not a stall: unobserved; a next session of the job
         counts it as the restart's)."""
-        ledger, window_start, healthy_ns = self._session(end_ns, fail_slow, list(stragglers),
+        ledger, window_start, healthy_ns = self._session(end_ns, fail_slow, stragglers,
                                                          hung, exited)
         out = {**ledger.to_dict(), "from": _window_from(window_start, self.attach_ns,
                                                         self.process_start_ns),
@@ -264,8 +265,8 @@ class Goodput:
                                    healthy_ns).to_dict()
         return out
 
-    def _session(self, end_ns: int, fail_slow: list[dict[str, Any]],
-                 stragglers: list[dict[str, Any]], hung: bool,
+    def _session(self, end_ns: int, fail_slow: Sequence[FailSlowEvent],
+                 stragglers: Sequence[StragglerEpisode], hung: bool,
                  exited: bool) -> tuple[Ledger, int, float]:
         """The session's ledger, where its window starts, the healthy step it used."""
         ledger = Ledger(gpus=self.gpus)
@@ -411,8 +412,9 @@ def combined(ledgers: list[Ledger]) -> Ledger | None:
     return out
 
 
-def _lay_over(account: _Account, fail_slow: list[dict[str, Any]],
-              stragglers: list[dict[str, Any]], end_ns: int, lost: dict[str, float]) -> float:
+def _lay_over(account: _Account, fail_slow: Sequence[FailSlowEvent],
+              stragglers: Sequence[StragglerEpisode], end_ns: int, lost: dict[str, float]
+              ) -> float:
     """The episodes laid over the bins: each bin's excess over the healthy step to its
     straggler (its delay per step), its fail-slow episode (slowdown, or data_stall), or
     outside them, beyond the noise band, unexplained. The bins' productive time (ns)."""
@@ -421,9 +423,9 @@ def _lay_over(account: _Account, fail_slow: list[dict[str, Any]],
     productive_ns = 0.0
     for b in account.bins.values():
         b_end = b.start_ns + account.width_ns
-        delay = max((e["delay_ms_per_step"] * 1e6 for e in stragglers
-                     if e["since_mono_ns"] < b_end
-                     and (e["until_mono_ns"] or end_ns) >= b.start_ns), default=0.0)
+        delay = max((e.delay_per_step_s * 1e9 for e in stragglers
+                     if e.since_ns < b_end
+                     and (e.until_ns or end_ns) >= b.start_ns), default=0.0)
         excess = max(0.0, float(b.excess_ns))
         straggling = min(excess, delay * b.iterations)
         lost["straggler"] += straggling / 1e9
@@ -440,10 +442,9 @@ def _median_step(steps: list[tuple[int, int]]) -> float:
     return float(statistics.median(s for _, s in steps))
 
 
-def _top_phase(event: dict[str, Any]) -> str | None:
+def _top_phase(event: FailSlowEvent) -> str | None:
     """The phase that moved most in a fail-slow event (None: not known)."""
-    phases = event.get("phases") or []
-    return phases[0]["phase"] if phases else None
+    return event.phases[0].phase if event.phases else None
 
 
 def _window_from(start: int, attach_ns: int, process_start_ns: int | None) -> str:

@@ -11,6 +11,7 @@ contents alone, so a replay of the log decides the same. Beyond
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from perfmon.agent.reducers.cuda import CudaActivity
@@ -18,6 +19,7 @@ from perfmon.agent.reducers.iterations import Iteration, IterationClock, Totals
 from perfmon.agent.reducers.phases import PhaseAccount
 from perfmon.agent.reducers.ranks import RankTimes
 from perfmon.agent.reducers.resources import Resources
+from perfmon.parsers.figures import IntervalFigures
 
 # How long (in record time) an interval entry waits for the samples covering it.
 PHASE_WAIT_NS = 5_000_000_000
@@ -37,7 +39,7 @@ class Intervals:
         self.max_log_entries = max_log_entries
         self.wall_time = wall_time
         self.ranks = ranks  # multi-rank sessions: each rank's means per entry
-        self.entries: list[dict[str, Any]] = []  # iteration_logs
+        self.entries: list[IntervalFigures] = []  # iteration_logs
         self.log_stride = 1
         self._seq: list[int] = []  # interval number of each entry
         self._logged = 0
@@ -45,7 +47,7 @@ class Intervals:
         # Entries waiting for samples: (entry, start, end, iterations); ``waiting`` is
         # this list (changed in place only), which the dispatcher holds and reads for
         # every record.
-        self._pending: list[tuple[dict[str, Any], int, int, int]] = []
+        self._pending: list[tuple[dict[str, Any], int, int, int]] = []  # (fields so far, ...)
         self.waiting = self._pending
 
     def on_iteration(self, it: Iteration) -> None:
@@ -56,31 +58,32 @@ class Intervals:
         totals = Totals()
         for i in its:
             totals.add(i)
-        samples_s, tokens_s, tflops = totals.rates(self.clock.workload.world_size)
+        samples_s, tokens_s, flops = totals.rates(self.clock.workload.world_size)
         end = its[-1].end_t_mono_ns
-        entry = {
-            "end_monotonic_ns": end,
+        peak = self.clock.workload.peak_tflops
+        figures: dict[str, Any] = {
+            "end_ns": end,
             "iteration": its[-1].number,
             "timestamp": self.wall_time(end),
-            "step_time_ms": totals.step_ns / len(its) / 1e6,
-            "TFLOPS_per_GPU": tflops,
-            "tokens_per_sec": tokens_s,
-            "samples_per_sec": samples_s,
+            "step_s": totals.step_ns / len(its) / 1e9,
+            "flops_per_gpu": flops,
+            "tokens_per_s": tokens_s,
+            "samples_per_s": samples_s,
+            "mfu": flops / (peak * 1e12) if flops is not None and peak else None,
         }
         # Memory and GPU figures now: their samples are logged as they are taken.
         start = end - totals.step_ns
-        entry.update(self.resources.interval(start, end))
+        figures.update(self.resources.interval(start, end))
         if self.ranks is not None:
-            entry["ranks"] = self.ranks.interval(end)
+            figures["ranks"] = self.ranks.interval(end)
         self.resources.prune(end)
-        self._pending.append((entry, start, end, len(its)))
+        self._pending.append((figures, start, end, len(its)))
 
-
-    def finalize(self, now_ns: int | None, final: bool) -> list[dict[str, Any]]:
+    def finalize(self, now_ns: int | None, final: bool) -> list[IntervalFigures]:
         """Entries whose samples are in (or that waited long enough, or ``final``)."""
         done = []
         while self._pending:
-            entry, start, end, count = self._pending[0]
+            figures, start, end, count = self._pending[0]
             waited = now_ns is not None and now_ns >= end + PHASE_WAIT_NS
             phases_in = ((not self.wait_for_phases or self.phases.watermark_ns >= end)
                          and not self.phases.samples_due(end))
@@ -89,17 +92,17 @@ class Intervals:
                 break
             self._pending.pop(0)
             if self.cuda is not None:
-                entry.update(self.cuda.window(start, end, count))
+                figures.update(self.cuda.window(start, end, count))
                 self.cuda.prune(end)
             per_phase = self.phases.window_ns(start, end)
             self.phases.record(per_phase, count)
             self.phases.prune(end)
-            entry["phases"] = PhaseAccount.breakdown(per_phase, count)
+            entry = IntervalFigures(**figures, phases=PhaseAccount.breakdown(per_phase, count))
             self._append(entry)
             done.append(entry)
         return done
 
-    def _append(self, entry: dict[str, Any]) -> None:
+    def _append(self, entry: IntervalFigures) -> None:
         """Append to iteration_logs, thinning older entries evenly beyond max_log_entries.
 
         The newest half stays whole; in the older part one entry in ``log_stride``
@@ -123,4 +126,4 @@ class Intervals:
             self.entries = [self.entries[i] for i in keep]
             self._seq = [self._seq[i] for i in keep]
         for i in range(len(self.entries) - recent):
-            self.entries[i]["kept_one_in"] = self.log_stride
+            self.entries[i] = replace(self.entries[i], kept_one_in=self.log_stride)

@@ -53,7 +53,7 @@ class Totals:
         self.flops = None if self.flops is None or it.flops is None else self.flops + it.flops
 
     def rates(self, world_size: int) -> tuple[float | None, float | None, float | None]:
-        """(samples/s, tokens/s, TFLOPS per GPU) over the summed time."""
+        """(samples/s, tokens/s, model FLOP/s per GPU) over the summed time."""
         seconds = self.step_ns / 1e9
         if seconds <= 0:
             return None, None, None
@@ -63,7 +63,7 @@ class Totals:
 
         flops = per_s(self.flops)
         return per_s(self.samples), per_s(self.tokens), (
-            flops / world_size / 1e12 if flops is not None else None)
+            flops / world_size if flops is not None else None)
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -179,15 +179,16 @@ class IterationClock:
         return float(recent[len(recent) // 2]) if recent else None
 
     def summary(self) -> dict[str, Any]:
-        steps_ms = sorted(ns / 1e6 for ns in self._step_ns)
+        """The step times' statistics (perfmon.parsers.figures.Statistics' fields)."""
+        steps_s = sorted(ns / 1e9 for ns in self._step_ns)
         return {
-            "avg_step_time_ms": sum(steps_ms) / len(steps_ms) if steps_ms else None,
-            "p50_step_time_ms": percentile(steps_ms, 0.50),
-            "p90_step_time_ms": percentile(steps_ms, 0.90),
-            "p99_step_time_ms": percentile(steps_ms, 0.99),
-            "min_step_time_ms": steps_ms[0] if steps_ms else None,
-            "max_step_time_ms": steps_ms[-1] if steps_ms else None,
-            "measured_iterations": len(steps_ms),
+            "step_s": sum(steps_s) / len(steps_s) if steps_s else None,
+            "p50_step_s": percentile(steps_s, 0.50),
+            "p90_step_s": percentile(steps_s, 0.90),
+            "p99_step_s": percentile(steps_s, 0.99),
+            "min_step_s": steps_s[0] if steps_s else None,
+            "max_step_s": steps_s[-1] if steps_s else None,
+            "measured_iterations": len(steps_s),
             "iteration_estimator": (max(self.estimators, key=self.estimators.__getitem__)
                                     if self.estimators else None),
             "iteration_estimators": dict(self.estimators),

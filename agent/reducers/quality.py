@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from perfmon.parsers.figures import finite
 from perfmon.parsers.pyspy import (
     DUMP_MAX_BYTES,
     KEEP_FRAMES,
@@ -114,16 +115,23 @@ class DataQuality:
                     lines.append(f"{source}: {name} {value} ({HINTS[name]})")
         return lines
 
-    def summary(self, derived: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-        """``derived``: sources computed by the reducers themselves (the iteration
-        clock's), shown and judged as the probes' are."""
+    def summary(self, derived: dict[str, dict[str, Any]] | None = None
+                ) -> tuple[dict[str, Any], dict[tuple[str, str], float]]:
+        """(``data_quality``, each loss counter's value by (source, counter));
+        ``derived``: sources computed by the reducers themselves (the iteration clock's),
+        shown and judged as the probes' are."""
         whole = DataQuality()
         whole.sources = {**self.sources, **(derived or {})}
+        counters = {(source, name): number
+                    for source, values in whole.sources.items()
+                    for name, value in values.items()
+                    # (only the loss counters, a fixed set: the rest are volumes)
+                    if name in HINTS and (number := finite(value)) is not None}
         return {
             "sources": {name: dict(sorted(c.items())) for name, c in sorted(whole.sources.items())},
             "losses": whole.losses(),
             "minor": whole.losses(minor=True),
-        }
+        }, counters
 
 
 class Hangs:

@@ -44,18 +44,26 @@ import functools
 import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from perfmon.parsers.figures import RankFigures, StragglerEpisode
 from perfmon.parsers.step_rows import StepBlock
 
 MAD_TO_SIGMA = 1.4826
 MAX_EPISODES = 500  # the most recent kept (a week of a flapping rank stays bounded)
+# The cross-host form: a spread over the hosts from this many on (fewer: none, and of
+# two hosts the faster is the reference).
+SPREAD_HOSTS = 3
 
 
 @dataclass(frozen=True)
 class StragglerRule:
+    """The straggler rule, of ranks (RankTimes) and, in its cross-host form, of hosts
+    (``across_hosts``: merge's slow host; docs/prometheus/rules.yml's PerfmonSlowHost
+    is the same rule in PromQL, its thresholds these)."""
+
     k: float = 3.0
     min_share: float = 0.10
     min_ms: float = 1.0
@@ -64,6 +72,47 @@ class StragglerRule:
     every: int = 10  # primary iterations between evaluations
     hold: int = 5  # evaluations in a row to open or close an episode
     hold_s: float = 5.0  # ... and outlying for this long to open one
+
+    @dataclass(frozen=True)
+    class Outlier:
+        """The host that stands out, its median compute, the reference's, its excess,
+        the bar it crossed and the spread (ms)."""
+
+        host: str
+        compute_ms: float
+        reference_ms: float
+        excess_ms: float
+        bar_ms: float
+        spread_ms: float
+
+    def floor(self, step: float, ms: float = 1.0) -> float:
+        """The least excess that counts: min_share of the step, at least min_ms (``ms``:
+        a millisecond in the unit of ``step``)."""
+        return max(self.min_share * step, self.min_ms * ms)
+
+    def bar(self, spread: float, step: float, ms: float = 1.0) -> float:
+        """The excess above which one is outlying: k x the spread, at least the floor."""
+        return max(self.k * spread, self.floor(step, ms))
+
+    def across_hosts(self, compute_ms: dict[str, float], step_ms: float
+                     ) -> StragglerRule.Outlier | None:
+        """The host whose median compute exceeds the reference host's (the median host;
+        of two, the faster) by more than the bar, the spread 1.4826 x the hosts' median
+        absolute excess (from SPREAD_HOSTS hosts on; else none) and the step the ranks'
+        mean. None when no host does, or fewer than two are given."""
+        if len(compute_ms) < 2:
+            return None
+        values = list(compute_ms.values())
+        spread_over = len(values) >= SPREAD_HOSTS
+        reference = statistics.median(values) if spread_over else min(values)
+        excess = {h: v - reference for h, v in compute_ms.items()}
+        spread = (MAD_TO_SIGMA * statistics.median(abs(e) for e in excess.values())
+                  if spread_over else 0.0)
+        bar = self.bar(spread, step_ms)
+        host = max(excess, key=excess.__getitem__)
+        if excess[host] <= bar:
+            return None
+        return self.Outlier(host, compute_ms[host], reference, excess[host], bar, spread)
 
 
 HISTORY = 4096  # rows kept per rank (the minute around a fail-slow change at 15 ms steps)
@@ -197,6 +246,19 @@ def _others(n: int) -> np.ndarray:
     return np.array([[j for j in range(n) if j != i] for i in range(n)], dtype=np.intp)
 
 
+class _Episode:
+    """A straggler episode as it goes: its record, and the rank's excess compute (ns) at
+    each evaluation (the last 1000: bounded over long episodes), whose median is the delay
+    it imposes on the job."""
+
+    def __init__(self, record: StragglerEpisode, excess_ns: float) -> None:
+        self.record = record
+        self.delays: deque[float] = deque([excess_ns], maxlen=1000)
+
+    def public(self) -> StragglerEpisode:
+        return replace(self.record, delay_per_step_s=statistics.median(self.delays) / 1e9)
+
+
 class RankTimes:
     """Feed step rows, cuda snapshots and process samples of every rank."""
 
@@ -208,9 +270,9 @@ class RankTimes:
         self.wall_time = wall_time
         self._ranks = {pid: _Rank(pid, rank) for pid, rank in ranks.items()}
         self._primary_iterations = 0
-        self.episodes: list[dict[str, Any]] = []  # stragglers, open and closed
-        self._open: dict[int, dict[str, Any]] = {}  # pid -> its open episode
-        self.new_events: list[dict[str, Any]] = []  # for live lines: opened/closed since read
+        self.episodes: list[_Episode] = []  # stragglers, open and closed
+        self._open: dict[int, _Episode] = {}  # pid -> its open episode
+        self.new_events: list[StragglerEpisode] = []  # for live lines: opened/closed since read
 
     def _rank(self, pid: int) -> _Rank:
         r = self._ranks.get(pid)
@@ -331,7 +393,7 @@ class RankTimes:
                     and now - r.outlying_since >= rule.hold_s * 1e9):
                 self._open_episode(r, now, current)
             elif episode is not None and e is not None:
-                episode["_delays"].append(e)
+                episode.delays.append(e)
             elif episode is not None and r.outlying <= -rule.hold:
                 self._close_episode(r, now)
 
@@ -365,7 +427,7 @@ class RankTimes:
         spread = MAD_TO_SIGMA * _middle(np.abs(others - ref[:, None]))
         rule = self.rule
         excess = compute - ref
-        bar = np.maximum(rule.k * spread, max(rule.min_share * median_step, rule.min_ms * 1e6))
+        bar = np.maximum(rule.k * spread, rule.floor(median_step, ms=1e6))
         return {pids[j]: float(excess[j]) for j in np.flatnonzero(excess > bar)}
 
     def _open_episode(self, r: _Rank, now: int, current: dict[int, tuple[float, float, float]]
@@ -374,29 +436,23 @@ class RankTimes:
         since = r.outlying_since
         compute, wait, step = current[r.pid]
         others = [v for p, v in current.items() if p != r.pid]
-        episode: dict[str, Any] = {
-            "pid": r.pid, "rank": r.rank,
-            "since_mono_ns": since, "since": self.wall_time(since),
-            "detected_mono_ns": now, "detected": self.wall_time(now),
-            "until_mono_ns": None, "until": None,
-            "compute_ms": compute / 1e6, "wait_ms": wait / 1e6, "step_ms": step / 1e6,
-            "others_compute_ms": statistics.median(c for c, _, _ in others) / 1e6,
-            "others_wait_ms": statistics.median(w for _, w, _ in others) / 1e6,
-            "differs": self._differs(r.pid, list(current)),
-            # The excess at each evaluation (the last 1000: bounded over long episodes).
-            "_delays": deque([compute - statistics.median(c for c, _, _ in others)],
-                             maxlen=1000),
-        }
+        others_compute = statistics.median(c for c, _, _ in others)
+        episode = _Episode(StragglerEpisode(
+            pid=r.pid, rank=r.rank, since_ns=since, since=self.wall_time(since),
+            detected_ns=now, detected=self.wall_time(now), compute_s=compute / 1e9,
+            wait_s=wait / 1e9, step_s=step / 1e9, others_compute_s=others_compute / 1e9,
+            others_wait_s=statistics.median(w for _, w, _ in others) / 1e9,
+            differs=self._differs(r.pid, list(current))), compute - others_compute)
         self._open[r.pid] = episode
         self.episodes.append(episode)
         if len(self.episodes) > MAX_EPISODES:
             del self.episodes[0]
-        self.new_events.append({"event": "straggler", **self._public(episode)})
+        self.new_events.append(episode.public())
 
     def _close_episode(self, r: _Rank, now: int) -> None:
         episode = self._open.pop(r.pid)
-        episode["until_mono_ns"], episode["until"] = now, self.wall_time(now)
-        self.new_events.append({"event": "straggler_ended", **self._public(episode)})
+        episode.record = replace(episode.record, until_ns=now, until=self.wall_time(now))
+        self.new_events.append(episode.public())
 
     def _differs(self, pid: int, pids: list[int]) -> dict[str, Any]:
         """What is different on the rank: its CPU use and the time its threads waited
@@ -419,22 +475,12 @@ class RankTimes:
         (t0, c0, d0), (t1, c1, d1) = samples[0], samples[-1]
         return (c1 - c0) / (t1 - t0), (d1 - d0) / (t1 - t0)
 
-    @staticmethod
-    def _public(episode: dict[str, Any]) -> dict[str, Any]:
-        out = {k: v for k, v in episode.items() if not k.startswith("_")}
-        out["delay_ms_per_step"] = statistics.median(episode["_delays"]) / 1e6
-        return out
-
     # -- reading ---------------------------------------------------------------------------
 
     def all(self) -> list[_Rank]:
         return list(self._ranks.values())
 
-    @property
-    def stragglers_now(self) -> set[int]:
-        return set(self._open)
-
-    def interval(self, until: int) -> list[dict[str, Any]]:
+    def interval(self, until: int) -> tuple[RankFigures, ...]:
         """Each rank's means over its rows since the previous call, up to ``until``
         (the log interval's ``ranks``)."""
         out = []
@@ -445,25 +491,22 @@ class RankTimes:
             r.cut = totals
             if n:
                 out.append(self._means(r, n, step, wait, probed, probed_step))
-        return out
+        return tuple(out)
 
-    def _means(self, r: _Rank, *totals: int) -> dict[str, Any]:
+    def _means(self, r: _Rank, *totals: int) -> RankFigures:
         """The means of totals_at's rows; wait and compute over the probed of them."""
         n, step, wait, probed, probed_step = totals
-        out = {"pid": r.pid, "rank": r.rank, "iterations": n,
-               "avg_step_time_ms": step / n / 1e6,
-               "avg_wait_ms": wait / probed / 1e6 if probed else None,
-               "avg_compute_ms": (probed_step - wait) / probed / 1e6 if probed else None,
-               "wait_share": wait / probed_step if probed_step else None,
-               "straggler": r.pid in self._open}
-        if probed < n:
-            out["waits_probed"] = probed
-        return out
+        return RankFigures(
+            pid=r.pid, rank=r.rank, iterations=n, step_s=step / n / 1e9,
+            wait_s=wait / probed / 1e9 if probed else None,
+            compute_s=(probed_step - wait) / probed / 1e9 if probed else None,
+            wait_share=wait / probed_step if probed_step else None,
+            waits_probed=probed if probed < n else None, straggler=r.pid in self._open)
 
-    def summary(self) -> dict[int, dict[str, Any]]:
+    def summary(self) -> dict[int, RankFigures]:
         """pid -> the whole run's means of the ranks that ended an iteration."""
         return {r.pid: self._means(r, *r.totals_at(r.kept))
                 for r in self._ranks.values() if r.n}
 
-    def stragglers(self) -> list[dict[str, Any]]:
-        return [self._public(e) for e in self.episodes]
+    def stragglers(self) -> list[StragglerEpisode]:
+        return [e.public() for e in self.episodes]

@@ -6,13 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from perfmon.parsers.figures import scaled
 from perfmon.parsers.gpu_samples import job_gpu_indices
 
-GIB = 1 << 30  # memory is reported in GiB under the seed's "GB" key names, as FlagScale's does
+# The GPU events a session records (final_statistics.gpu_events' types): a fixed set.
+GPU_EVENT_TYPES = ("xid", "ecc", "gpu_lost")
 
-
-def scaled(value: float | None, factor: float) -> float | None:
-    return value * factor if value is not None else None
 
 
 class Series:
@@ -135,14 +134,14 @@ class Resources:
         return gpu if gpu.count else self.series["rss"]
 
     def interval(self, start: int, end: int) -> dict[str, Any]:
-        """The memory and GPU fields of an interval entry; GPU ones only for GPU jobs."""
-        fields: dict[str, Any] = {
-            "memory_GB": scaled(self._memory().window_mean(start, end), 1 / GIB)}
+        """The memory and GPU figures (perfmon.parsers.figures.IntervalFigures' fields)
+        of an interval; GPU ones only for GPU jobs."""
+        fields: dict[str, Any] = {"memory_bytes": self._memory().window_mean(start, end)}
         if self.series["gpu_util"].count or self.series["gpu_power"].count:
             fields.update(
-                gpu_utilization_pct=self.series["gpu_util"].window_mean(start, end),
+                gpu_utilization=scaled(self.series["gpu_util"].window_mean(start, end), 0.01),
                 gpu_power_w=self.series["gpu_power"].window_mean(start, end),
-                gpu_throttle_reasons=sorted(self._interval_throttle))
+                gpu_throttle_reasons=tuple(sorted(self._interval_throttle)))
         return fields
 
     def prune(self, before_ns: int) -> None:
@@ -152,19 +151,24 @@ class Resources:
         self._interval_throttle = set()
 
     def summary(self) -> dict[str, Any]:
+        """The whole session's figures (perfmon.parsers.figures.Statistics' fields)."""
+        counts = dict.fromkeys(GPU_EVENT_TYPES, 0)
+        for event in self.gpu_events:
+            counts[event["type"]] = counts.get(event["type"], 0) + 1
         return {
-            "peak_memory_gb": scaled(self._memory().peak, 1 / GIB),
+            "peak_memory_bytes": self._memory().peak,
             "memory_kind": "gpu" if self.series["gpu_memory"].count else "rss",
-            "avg_gpu_utilization_pct": self.series["gpu_util"].mean,
-            "avg_gpu_power_w": self.series["gpu_power"].mean,
+            "gpu_utilization": scaled(self.series["gpu_util"].mean, 0.01),
+            "gpu_power_w": self.series["gpu_power"].mean,
             "gpu_throttle_reasons": dict(self._throttle),
-            "gpu_events": self.gpu_events,
+            "gpu_events": tuple(self.gpu_events),
+            "gpu_event_counts": counts,
             "gpu_attribution": self.gpu_attribution,
-            "ranks": [
-                {"pid": pid,
-                 "peak_rss_gb": scaled(peaks.get("rss_bytes"), 1 / GIB),
-                 "peak_gpu_memory_gb": scaled(peaks.get("gpu_memory_bytes"), 1 / GIB),
-                 "gpu_indices": self._rank_gpus.get(pid, [])}
-                for pid, peaks in sorted(self._rank_peaks.items())
-            ],
         }
+
+    def rank_peaks(self) -> dict[int, dict[str, Any]]:
+        """pid -> the rank's peaks (perfmon.parsers.figures.RankFigures' fields)."""
+        return {pid: {"peak_rss_bytes": peaks.get("rss_bytes"),
+                      "peak_gpu_memory_bytes": peaks.get("gpu_memory_bytes"),
+                      "gpu_indices": tuple(self._rank_gpus.get(pid, []))}
+                for pid, peaks in sorted(self._rank_peaks.items())}

@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from perfmon.parsers.events import Steps
+from perfmon.parsers.step_rows import StepBlock, block_of
 
 UPROBE = "uprobe"
 GRAD_READ = "grad_read"  # the how of an end found by a gradient read
@@ -291,15 +291,14 @@ class StepRows:
             logged.append(record)
         return logged
 
-    def take(self) -> Steps | None:
-        """The ``steps`` record of the rows made since the last call (None: none)."""
+    def take(self) -> StepBlock | None:
+        """The rows made since the last call, as one block (None: none)."""
         if not self._rows:
             return None
         rows, self._rows = self._rows, []
         hows = sorted(self._hows, key=self._hows.__getitem__)
         self._hows = {}
-        first = min(row[1] for row in rows)
-        return Steps.encode(first, rows, hows)
+        return block_of(rows, hows)
 
 
 class RowSource:
@@ -322,11 +321,10 @@ class RowSource:
         self.rows.feed(record)
         self.pending = True
 
-    def take_before(self, kind: str) -> dict[str, Any] | None:
-        """The ``steps`` record of the rows made so far, to reduce before a record of
-        type ``kind`` (None: none, or ``kind`` is one rows are made of)."""
+    def take_before(self, kind: str) -> StepBlock | None:
+        """The block of the rows made so far, to reduce before a record of type ``kind``
+        (None: none, or ``kind`` is one rows are made of)."""
         if not self.pending or kind in self.INPUTS:
             return None
         self.pending = False
-        steps = self.rows.take()
-        return steps.to_record() if steps is not None else None
+        return self.rows.take()

@@ -53,7 +53,7 @@ from perfmon.probes.files import MappedLibrary, PathRefused
 from perfmon.probes.job_files import JobFileError, read_job_file
 from perfmon.probes.procfs import TargetProcess, read_proc, resolve_targets
 from perfmon.probes.pyspy import dump_stacks
-from perfmon.probes.uprobes import (
+from perfmon.probes.torch_symbols import (
     COLLECTIVE_WAIT_SYMBOLS,
     ENGINE_EXECUTE_SYMBOL,
     RECORD_FUNCTION_SYMBOLS,

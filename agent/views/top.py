@@ -25,18 +25,20 @@ import sys
 import termios
 import time
 import tty
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from perfmon.agent.argtypes import Command, positive_float
-from perfmon.agent.console import fmt, printable
+from perfmon.agent.console import GIB, fmt, printable
 from perfmon.agent.record.layout import SUMMARY_GLOB
 from perfmon.agent.record.runs import RecordedRun, SummaryCache
 from perfmon.agent.reducers.phases import PHASES
 from perfmon.agent.views.rank_table import describe_rest, select_ranks
 from perfmon.parsers.errors import InputFileError
+from perfmon.parsers.figures import Statistics, finite, scaled
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -111,7 +113,7 @@ def sparkline(values: list[float], blocks: str = BLOCKS) -> str:
     return "".join(blocks[round((v - lo) / (hi - lo) * top)] for v in values)
 
 
-def phase_bar(phases: dict[str, Any] | None, width: int = PHASE_BAR_WIDTH) -> Text:
+def phase_bar(phases: Mapping[str, Any] | None, width: int = PHASE_BAR_WIDTH) -> Text:
     """The phase shares as ``width`` letters (largest remainders), coloured."""
     if not isinstance(phases, dict):
         return Text("no samples", style="dim")
@@ -132,14 +134,13 @@ def phase_bar(phases: dict[str, Any] | None, width: int = PHASE_BAR_WIDTH) -> Te
     return bar
 
 
-def _latest_phases(job: RecordedRun) -> dict[str, Any] | None:
+def _latest_phases(job: RecordedRun) -> Mapping[str, Any] | None:
     """The newest interval's phases when it has them (continuous sampling), else the
     whole run's from every sampled burst: an older interval's would be minutes stale."""
-    logs = job.summary.get("iteration_logs") or []
-    if logs and isinstance(logs[-1], dict) and isinstance(logs[-1].get("phases"), dict):
-        return logs[-1]["phases"]
-    phases = job.stats.get("phases")
-    return phases if isinstance(phases, dict) else None
+    logs = job.intervals
+    if logs and logs[-1].phases:
+        return logs[-1].phases
+    return job.figures.phases
 
 
 def _stragglers(job: RecordedRun) -> tuple[list[Any] | None, set[int], set[int]]:
@@ -171,20 +172,19 @@ def _state(job: RecordedRun, now_s: float) -> Text:
     return Text("running", style="green")
 
 
-def _goodput_ratio(stats: dict[str, Any]) -> float | None:
+def _goodput_ratio(stats: Statistics) -> float | None:
     """The job's goodput (across its sessions where it had several), else the session's."""
-    goodput = stats.get("goodput")
-    if not isinstance(goodput, dict):
+    goodput = stats.goodput
+    if not isinstance(goodput, Mapping):
         return None
     job = goodput.get("job")
-    ratio = (job if isinstance(job, dict) else goodput).get("ratio")
-    return ratio if isinstance(ratio, int | float) else None
+    return finite((job if isinstance(job, Mapping) else goodput).get("ratio"))
 
 
 def _step_history(job: RecordedRun) -> list[float]:
-    steps = [e.get("step_time_ms") for e in job.summary.get("iteration_logs") or []
-             if isinstance(e, dict)]
-    return [float(s) for s in steps if isinstance(s, int | float)][-SPARK_POINTS:]
+    """The logged intervals' step times (ms)."""
+    return [s.step_s * 1e3 for s in job.intervals
+            if finite(s.step_s) is not None][-SPARK_POINTS:]
 
 
 # Columns: (name, justify, min_width); a column no job has a value for is left out, and
@@ -234,7 +234,7 @@ def frame(jobs: list[RecordedRun], dirs: list[Path], problems: list[str], *, uni
 
 def _job_rows(job: RecordedRun, now_s: float, blocks: str, spark: int
               ) -> list[tuple[bool, list[Text | str]]]:
-    info, stats = job.info, job.stats
+    info, stats = job.info, job.figures
     history = _step_history(job)
     host = printable(str(info.get("host", "?")))
     flags = []
@@ -243,33 +243,33 @@ def _job_rows(job: RecordedRun, now_s: float, blocks: str, spark: int
     stragglers, straggler_pids, straggler_ranks = _stragglers(job)
     if stragglers:
         flags.append(Text(f"STRAGGLERS {len(stragglers)}", style="bold yellow"))
-    losses = (stats.get("data_quality") or {}).get("losses") or []
+    losses = (stats.data_quality or {}).get("losses") or []
     if losses:
         flags.append(Text(f"{len(losses)} loss{'es' if len(losses) > 1 else ''}",
                           style="yellow"))
     pids = list(info.get("pids") or [])
     ranks = list(info.get("ranks") or [])
-    last_memory = next((e.get("memory_GB") for e in reversed(job.summary.get("iteration_logs")
-                                                            or []) if isinstance(e, dict)), None)
+    last_memory = job.intervals[-1].memory_bytes if job.intervals else None
     rows: list[tuple[bool, list[Text | str]]] = [(True, [
         Text(f"{host}:{info.get('primary_pid', '?')}"
              + (f" ({len(pids)} ranks)" if len(pids) > 1 else "")),
         _state(job, now_s),
         Text(sparkline(history[-spark:], blocks), style="cyan"),
-        fmt(stats.get("avg_step_time_ms"), ".2f", " ms"),
+        fmt(scaled(stats.step_s, 1e3), ".2f", " ms"),
         fmt(history[-1] if history else None, ".2f"),
-        fmt(stats.get("avg_tokens_per_sec"), ",.0f"),
-        fmt(stats.get("avg_tflops_per_gpu"), ".2f"),
-        fmt(stats.get("mfu"), ".1%"),
-        f"{fmt(last_memory, '.2f')} / {fmt(stats.get('peak_memory_gb'), '.2f')}",
-        fmt(stats.get("avg_gpu_utilization_pct"), ".0f"),
+        fmt(stats.tokens_per_s, ",.0f"),
+        fmt(scaled(stats.flops_per_gpu, 1e-12), ".2f"),
+        fmt(stats.mfu, ".1%"),
+        f"{fmt(scaled(last_memory, 1 / GIB), '.2f')} / "
+        f"{fmt(scaled(stats.peak_memory_bytes, 1 / GIB), '.2f')}",
+        fmt(scaled(stats.gpu_utilization, 100), ".0f"),
         fmt(_goodput_ratio(stats), ".1%"),
         phase_bar(_latest_phases(job)),
         Text(" ").join(flags) if flags else "",
     ])]
     if len(pids) <= 1 and not stragglers:
         return rows
-    peaks = {r["pid"]: r for r in stats.get("ranks") or []
+    peaks = {r["pid"]: r for r in job.stats.get("ranks") or []
              if isinstance(r, dict) and isinstance(r.get("pid"), int)}
     rank_of = {pid: ranks[i] if i < len(ranks) else None for i, pid in enumerate(pids)}
     selection = select_ranks([peaks.get(pid) or {"pid": pid} for pid in pids
