@@ -1,7 +1,8 @@
 """The judgements (goodput ledger, fail-slow) on many generated shapes of job: the
 families of tests/step_streams.py (healthy noise, stalls anywhere, slowdowns that
 come back near the old level, creeps, restarts), each case against its stated truth.
-``make test`` runs 500 a family with a fixed seed (tests/unit/agent/reducers/test_judgements_generated.py);
+``make test`` runs 500 a family with a fixed seed
+(tests/unit/agent/reducers/test_judgements_generated.py);
 this runs --cases a family (default 10,000) with a random seed, or --seed N, and
 reports for each figure its worst error and its worst error against its bound, the
 failures, and the false fail-slow rate, with the case of each.

@@ -22,9 +22,25 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 __all__ = [
-    "AS_IS", "GIB", "MS", "PCT", "TFLOPS", "FailSlowEvent", "FailSlowNow", "IntervalFigures",
-    "PhaseShift", "RankFigures", "RankShift", "StragglerEpisode",
-    "Statistics", "Unit", "finite", "parse", "render", "scaled", "shown",
+    "AS_IS",
+    "GIB",
+    "MS",
+    "PCT",
+    "TFLOPS",
+    "FailSlowEvent",
+    "FailSlowNow",
+    "IntervalFigures",
+    "PhaseShift",
+    "RankFigures",
+    "RankShift",
+    "Statistics",
+    "StragglerEpisode",
+    "Unit",
+    "finite",
+    "parse",
+    "render",
+    "scaled",
+    "shown",
 ]
 
 

@@ -52,6 +52,7 @@ from perfmon.agent.options import AttachOptions
 from perfmon.agent.record.layout import job_folder
 from perfmon.agent.record.outputs import OutputDir
 from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.figures import scaled
 from perfmon.parsers.job_identity import local_rank, safe_name, scheduler_fields, world_size
 from perfmon.probes.discovery import ProcessScan
 from perfmon.probes.errors import ProbeError

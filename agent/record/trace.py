@@ -45,10 +45,10 @@ from perfmon.agent.record.replay import check_facts, replay
 from perfmon.agent.reducers import rank_map
 from perfmon.agent.reducers.cuda import CudaActivity
 from perfmon.agent.reducers.iterations import Iteration, IterationClock
-from perfmon.agent.reducers.steps import RowSource
+from perfmon.agent.reducers.steps import RecordDispatch
 from perfmon.parsers.errors import InputFileError, PerfmonError
 from perfmon.parsers.gpu_samples import job_gpu_indices
-from perfmon.parsers.step_rows import StepBlock, decode_steps
+from perfmon.parsers.step_rows import StepBlock
 from perfmon.parsers.workload import Workload
 
 CLOCK = "CLOCK_MONOTONIC"
@@ -210,17 +210,15 @@ class _Log:
         # The ranks the facts name, up to MAX_NAMED_RANKS (a log may name 100,000): each
         # a process of the trace even without records; others once they have records.
         self.rank_numbers = rank_map(facts)
-        self.rows = RowSource.for_facts(facts)  # an older log's rows, from its markers
         for pid in list(self.rank_numbers)[:MAX_NAMED_RANKS]:
             self._rank(pid)
-        self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
-            "marker": self._on_marker, "steps": self._on_steps,
-            "waits": self.rows.feed if self.rows is not None else lambda _r: None,
+        self.dispatch = RecordDispatch(self.attach_ns, bool(facts.get("step_rows")), {
             "phase": self._on_phase, "job_iteration": self._on_read,
             "cuda": self._on_cuda, "process": self._on_process, "gpu": self._on_gpu,
             "xid": self._on_gpu_event, "ecc": self._on_gpu_event, "hang": self._on_hang,
             "hang_recovered": self._on_recovered, "session_end": self._on_end,
-        }
+        }, self._on_block)
+        self.feed = self.dispatch.feed
 
     def _rank(self, pid: int) -> _Rank:
         found = self.ranks.get(pid)
@@ -232,24 +230,7 @@ class _Log:
         self.ranks[pid] = r
         return r
 
-    def feed(self, record: dict[str, Any]) -> None:
-        kind = record["type"]
-        block = self.rows.take_before(kind) if self.rows is not None else None
-        if block is not None:
-            self._on_block(block)
-        handler = self._handlers.get(kind)
-        if handler is not None:
-            handler(record)
-
     # -- records -------------------------------------------------------------------
-
-    def _on_marker(self, record: dict[str, Any]) -> None:
-        # (A log with rows has only raw markers, which its rows already count.)
-        if self.rows is not None:
-            self.rows.feed(record)
-
-    def _on_steps(self, record: dict[str, Any]) -> None:
-        self._on_block(decode_steps(record))
 
     def _on_block(self, b: StepBlock) -> None:
         for pid, end, micro, how, bw_from, bw_to in zip(

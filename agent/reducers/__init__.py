@@ -23,7 +23,6 @@ means one record type (perfmon.parsers.events) and one reducer here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
@@ -38,7 +37,7 @@ from perfmon.agent.reducers.phases import PhaseAccount
 from perfmon.agent.reducers.quality import Coarsening, DataQuality, Hangs
 from perfmon.agent.reducers.ranks import RankTimes
 from perfmon.agent.reducers.resources import Resources
-from perfmon.agent.reducers.steps import RowSource
+from perfmon.agent.reducers.steps import RecordDispatch
 from perfmon.parsers.events import BY_TYPE
 from perfmon.parsers.figures import (
     FailSlowEvent,
@@ -47,7 +46,7 @@ from perfmon.parsers.figures import (
     Statistics,
     StragglerEpisode,
 )
-from perfmon.parsers.step_rows import StepBlock, decode_steps
+from perfmon.parsers.step_rows import StepBlock
 from perfmon.parsers.workload import Workload
 
 __all__ = ["DEFAULT_MAX_LOG_ENTRIES", "Summarizer", "rank_map"]
@@ -134,12 +133,7 @@ class Summarizer:
         self._waiting = self.intervals.waiting  # entries waiting for later records
         self._primary = primary = primary_pid
         phase_feed = self.phases.feed_phase
-        # An older log's markers become rows here (None: the log has its rows).
-        rows = self._rows = None if step_rows else RowSource(start_t_mono_ns)
-        self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {
-            "marker": self._on_marker,
-            "waits": rows.feed if rows is not None else lambda _r: None,
-            "steps": self._on_steps,
+        self._dispatch = RecordDispatch(start_t_mono_ns, step_rows, {
             "phase": lambda r: phase_feed(r) if r["pid"] == primary else None,
             "stack_window": lambda r: self.phases.on_window(r) if r["pid"] == primary else None,
             "process": self._on_process,
@@ -153,8 +147,8 @@ class Summarizer:
             "rank_exit": self.exits.on_exit,
             "coarsened": self._on_coarsened,
             "session_end": self._on_end,
-        }
-        self._handlers["cuda"] = self._on_cuda
+            "cuda": self._on_cuda,
+        }, self._on_block)
 
     # -- feeding ---------------------------------------------------------------------
 
@@ -162,10 +156,7 @@ class Summarizer:
         """Take one record (as the log holds it); return the log intervals it completed."""
         kind = record["type"]
         self._latest_ns = max(self._latest_ns, record.get("t_mono_ns") or 0)
-        self._take_rows(kind)
-        handler = self._handlers.get(kind)
-        if handler is not None:
-            handler(record)
+        self._dispatch.feed(record)
         return self._completed(record["t_mono_ns"], kind == "session_end")
 
     def feed_rows(self, t_mono_ns: int, block: StepBlock) -> list[IntervalFigures]:
@@ -191,21 +182,6 @@ class Summarizer:
         offset = self.clock.job.offset
         return [replace(e, iteration=e.iteration + offset) for e in entries] if offset else (
             entries)
-
-    def _on_marker(self, record: dict[str, Any]) -> None:
-        # (A log with rows has only raw markers, which its rows already count.)
-        if self._rows is not None:
-            self._rows.feed(record)
-
-    def _take_rows(self, kind: str = "") -> None:
-        """Reduce the rows made of an older log's markers so far (a block: before a
-        record of another type, and before anything is read)."""
-        block = self._rows.take_before(kind) if self._rows is not None else None
-        if block is not None:
-            self._on_block(block)
-
-    def _on_steps(self, record: dict[str, Any]) -> None:
-        self._on_block(decode_steps(record))
 
     def _on_block(self, block: StepBlock) -> None:
         self.ranks.on_rows(block)
@@ -280,21 +256,21 @@ class Summarizer:
     @property
     def intervals_logged(self) -> list[IntervalFigures]:
         """The log intervals kept (``iteration_logs``), numbered as the job numbers them."""
-        self._take_rows()
+        self._dispatch.take_rows()
         return self._numbered(self.intervals.entries)
 
     @property
     def iterations_ended(self) -> int:
-        self._take_rows()
+        self._dispatch.take_rows()
         return self.clock.iterations_ended
 
     @property
     def last_end_t_mono_ns(self) -> int | None:
-        self._take_rows()
+        self._dispatch.take_rows()
         return self.clock.last_end_t_mono_ns
 
     def recent_median_step_ns(self) -> float | None:
-        self._take_rows()
+        self._dispatch.take_rows()
         return self.clock.recent_median_step_ns()
 
     def wall_time(self, t_mono_ns: int) -> str:
@@ -304,7 +280,7 @@ class Summarizer:
 
     def session_fields(self) -> dict[str, Any]:
         """What the records add to session_info."""
-        self._take_rows()
+        self._dispatch.take_rows()
         fields: dict[str, Any] = {
             "end_time": (self.wall_time(self.end_t_mono_ns)
                          if self.end_t_mono_ns is not None else None),
@@ -336,7 +312,7 @@ class Summarizer:
 
     def statistics(self) -> Statistics:
         """The session's figures so far."""
-        self._take_rows()
+        self._dispatch.take_rows()
         samples_s, tokens_s, flops = self.clock.totals.rates(self.workload.world_size)
         w = self.workload
         peak = w.peak_tflops * 1e12 if w.peak_tflops else None

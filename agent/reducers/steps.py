@@ -44,10 +44,11 @@ same rows here (``RowSource``), so both feed the reducers rows.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from perfmon.parsers.step_rows import StepBlock, block_of
+from perfmon.parsers.step_rows import StepBlock, block_of, decode_steps
 
 UPROBE = "uprobe"
 GRAD_READ = "grad_read"  # the how of an end found by a gradient read
@@ -309,10 +310,6 @@ class RowSource:
 
     INPUTS = frozenset(("marker", "waits"))
 
-    @classmethod
-    def for_facts(cls, facts: dict[str, Any]) -> RowSource | None:
-        return None if facts.get("step_rows") else cls(facts["attach_monotonic_ns"])
-
     def __init__(self, start_t_mono_ns: int) -> None:
         self.rows = StepRows(start_t_mono_ns)
         self.pending = False
@@ -328,3 +325,35 @@ class RowSource:
             return None
         self.pending = False
         return self.rows.take()
+
+
+class RecordDispatch:
+    """A log's records to their handlers by type, its iteration ends as blocks of step rows:
+    a ``steps`` record decoded, or an older log's markers and wait totals made into rows
+    here (RowSource) and taken as one block before the next record of another type. The
+    one reader of a record stream, the Summarizer's and the trace's alike."""
+
+    def __init__(self, start_t_mono_ns: int, step_rows: bool,
+                 handlers: dict[str, Callable[[dict[str, Any]], None]],
+                 on_block: Callable[[StepBlock], None]) -> None:
+        """``step_rows``: the log holds its rows (its markers are raw ones, which the rows
+        count already); ``handlers``: record type -> handler, for every other type."""
+        self.on_block = on_block
+        self.rows = None if step_rows else RowSource(start_t_mono_ns)
+        self.handlers = {**handlers, "steps": lambda r: on_block(decode_steps(r))}
+        if self.rows is not None:
+            self.handlers["marker"] = self.handlers["waits"] = self.rows.feed
+
+    def feed(self, record: dict[str, Any]) -> None:
+        kind = record["type"]
+        self.take_rows(kind)
+        handler = self.handlers.get(kind)
+        if handler is not None:
+            handler(record)
+
+    def take_rows(self, kind: str = "") -> None:
+        """Hand on the rows made of an older log's markers so far (before a record of type
+        ``kind``, or before anything is read)."""
+        block = self.rows.take_before(kind) if self.rows is not None else None
+        if block is not None:
+            self.on_block(block)
