@@ -10,7 +10,6 @@ one formatter of figures, the live lines and the end table.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
@@ -23,6 +22,7 @@ from perfmon.parsers.figures import (
     IntervalFigures,
     Statistics,
     StragglerEpisode,
+    finite,
     scaled,
 )
 from rich.console import Console
@@ -111,8 +111,7 @@ class Output:
 def fmt(value: Any, spec: str, unit: str = "") -> str:
     """A figure as ``spec`` formats it, with its unit; ``-`` when it is not a finite number
     (unknown, or not a number at all: every view prints through this)."""
-    if (not isinstance(value, int | float) or isinstance(value, bool)
-            or (isinstance(value, float) and not math.isfinite(value))):
+    if finite(value) is None:
         return "-"
     return f"{value:{spec}}{unit}"
 

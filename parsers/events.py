@@ -55,15 +55,6 @@ class Record:
         """
         return {"type": self.TYPE, **self.__dict__}
 
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Record:
-        """The typed record of a map of this type; ValueError when it is malformed."""
-        problem = record_problem(record)
-        if problem is not None or record.get("type") != cls.TYPE:
-            raise ValueError(problem or f"not a {cls.TYPE} record")
-        return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls)
-                      if f.name in record})
-
 
 @dataclass(frozen=True)
 class SessionStart(Record):

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -74,6 +75,11 @@ def shown(key: str, unit: Unit = AS_IS, *, omitted_when_none: bool = False,
     if empty is not None:
         return field(default_factory=empty, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    """The mean of ``values``; None for none."""
+    return statistics.fmean(values) if values else None
 
 
 def scaled(value: float | None, factor: float) -> float | None:

@@ -441,15 +441,6 @@ def _section(data: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, object
     return {k: v for k, v in node.items() if k in _FIELD_NAMES}
 
 
-def parse_model_config_text(text: bytes | str, source: str) -> ModelConfig:
-    """Parse a complete model config file (YAML or JSON) into a ModelConfig.
-
-    Raises ModelConfigError as :func:`parse_model_config_fields` and
-    :func:`model_config_from_mapping` do.
-    """
-    return model_config_from_mapping(parse_model_config_fields(text, source), source)
-
-
 def merge_model_fields(*layers: Mapping[str, object]) -> dict[str, object]:
     """Merge layers of fields; for each key the earliest layer with a non-None value wins."""
     merged: dict[str, object] = {}

@@ -39,7 +39,7 @@ import msgpack
 import zstandard
 from perfmon.agent.record.coarsen import coarsen_part
 from perfmon.agent.record.layout import log_part
-from perfmon.agent.record.outputs import WRITE_ERRNOS, OutputDir
+from perfmon.agent.record.outputs import OutputDir, refused
 from perfmon.parsers.errors import EventLogError
 from perfmon.probes.sampler import monotonic_ns
 
@@ -126,9 +126,7 @@ class EventLogWriter:
                 self._sizes[-1] += written
                 self._out = self._out[written:]
         except OSError as err:
-            if err.errno not in WRITE_ERRNOS:
-                raise
-            self.error = err
+            self.error = refused(err)
             return False
         self.error = None
         return True
@@ -207,9 +205,7 @@ class EventLogWriter:
                 self._end_stream()
             os.fsync(self._fd)
         except OSError as err:
-            if err.errno not in WRITE_ERRNOS:
-                raise
-            self.error, ok = err, False
+            self.error, ok = refused(err), False
         os.close(self._fd)
         self._fd = -1
         if self._coarsening is not None:

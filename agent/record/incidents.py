@@ -12,13 +12,13 @@ unfit is one line (``find_incidents``'s ``problems``); the others are still list
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from perfmon.agent.record.layout import INCIDENT_RECORD, is_incident
+from perfmon.agent.record.outputs import json_document
 from perfmon.parsers.errors import InputFileError
 from perfmon.parsers.schema_filter import SchemaFilter
 from perfmon.probes.files import read_user_file_and_status
@@ -68,12 +68,7 @@ def read_incident(folder: Path) -> Incident | None:
     if st.st_uid not in (0, me):
         raise InputFileError(f"incident {path}: owned by uid {st.st_uid}, neither root nor "
                              f"uid {me} (this user): not listed")
-    try:
-        parsed = json.loads(raw)
-    except RecursionError:
-        raise InputFileError(f"incident {path}: nested too deep: not listed") from None
-    except (ValueError, UnicodeDecodeError) as err:
-        raise InputFileError(f"incident {path}: not JSON ({err}): not listed") from err
+    parsed = json_document(raw, f"incident {path}", ": not listed")
     data, filtered = _record_filter().apply(parsed)
     if not isinstance(data, dict):
         why = "; ".join(filtered.examples) or "not an object"

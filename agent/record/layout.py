@@ -102,10 +102,6 @@ def summary_beside(log: Path) -> Path:
     return log.with_name(f"{SUMMARY_PREFIX}{stem}{SUMMARY_SUFFIX}")
 
 
-def is_summary(name: str) -> bool:
-    return _SUMMARY.match(name) is not None
-
-
 def is_first_log_part(name: str) -> bool:
     match = _LOG.match(name)
     return match is not None and match["part"] is None

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from perfmon.parsers.errors import PerfmonError
+from perfmon.parsers.errors import InputFileError, PerfmonError
 from perfmon.probes.files import PathRefused, walk
 
 DIR_MODE = 0o750
@@ -45,6 +45,26 @@ _MAX_NAME_CLASHES = 1000
 # is full, the filesystem went read-only or away, or permissions changed under us.
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
                           errno.EIO, errno.ENOENT, errno.ESTALE, errno.EFBIG})
+
+
+def refused(err: OSError) -> OSError:
+    """``err`` when it is the disk refusing a write (WRITE_ERRNOS: full, read-only, over
+    quota...): the caller keeps it as data and goes on; anything else is raised again."""
+    if err.errno not in WRITE_ERRNOS:
+        raise err
+    return err
+
+
+def json_document(data: bytes, source: str, after: str = "") -> Any:
+    """The JSON document in ``data``, read from ``source``: InputFileError (one line,
+    ``source`` first, ``after`` last) when it is not JSON or nests deeper than Python's
+    parser goes."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise InputFileError(f"{source}: nested too deep{after}") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputFileError(f"{source}: not JSON ({err}){after}") from err
 
 
 class OutputDirError(PerfmonError):

@@ -34,6 +34,7 @@ from perfmon.agent.record.summary import (
     SessionInfo,
     parse_summary,
 )
+from perfmon.agent.reducers import rank_map
 from perfmon.parsers.errors import InputFileError, PerfmonError
 from perfmon.parsers.figures import IntervalFigures, Statistics, parse
 from perfmon.parsers.job_identity import decimal_number
@@ -82,9 +83,7 @@ class RecordedRun:
 
     @functools.cached_property
     def _rank_by_pid(self) -> dict[int, int | None]:
-        pids, ranks = self.info.get("pids") or [], self.info.get("ranks") or []
-        return {pid: ranks[i] if i < len(ranks) else None for i, pid in enumerate(pids)
-                if isinstance(pid, int)}
+        return rank_map(self.info)
 
     def rank_of(self, pid: int) -> int | None:
         return self._rank_by_pid.get(pid)

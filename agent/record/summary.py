@@ -16,7 +16,13 @@ from typing import Any, Literal, TypedDict
 
 from perfmon.agent.record.eventlog import EventLogWriter
 from perfmon.agent.record.layout import session_names
-from perfmon.agent.record.outputs import WRITE_ERRNOS, OutputDir, OutputDirError, json_bytes
+from perfmon.agent.record.outputs import (
+    OutputDir,
+    OutputDirError,
+    json_bytes,
+    json_document,
+    refused,
+)
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.errors import InputFileError
 from perfmon.parsers.figures import Statistics, render
@@ -193,9 +199,7 @@ class SummaryFile:
         try:
             self.out.replace(self.name, json_bytes(document, compact=compact))
         except OSError as err:
-            if err.errno not in WRITE_ERRNOS:
-                raise
-            self.error = err
+            self.error = refused(err)
             return False
         self.error = None
         return True
@@ -239,12 +243,7 @@ def read_summary(path: Path) -> tuple[dict[str, Any], str | None]:
 
 def parse_summary(data: bytes, path: Path) -> tuple[dict[str, Any], str | None]:
     """The summary in ``data`` (read from ``path``), as read_summary keeps it."""
-    try:
-        summary = json.loads(data)
-    except RecursionError:
-        raise InputFileError(f"summary {path}: nested too deep to be a perf summary") from None
-    except (ValueError, UnicodeDecodeError) as err:
-        raise InputFileError(f"summary {path}: not JSON ({err})") from err
+    summary = json_document(data, f"summary {path}")
     if not (isinstance(summary, dict) and isinstance(summary.get("session_info"), dict)
             and isinstance(summary.get("final_statistics"), dict)
             and isinstance(summary.get("iteration_logs"), list)):

@@ -54,7 +54,7 @@ __all__ = ["DEFAULT_MAX_LOG_ENTRIES", "Summarizer", "rank_map"]
 
 def rank_map(facts: dict[str, Any]) -> dict[int, int | None]:
     """pid -> rank of a session's targets (from session_info's pids and ranks)."""
-    pids, ranks = facts.get("pids") or [facts["primary_pid"]], facts.get("ranks") or []
+    pids, ranks = facts.get("pids") or [facts.get("primary_pid")], facts.get("ranks") or []
     return {pid: ranks[i] if i < len(ranks) else None for i, pid in enumerate(pids)
             if isinstance(pid, int)}
 

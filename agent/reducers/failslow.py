@@ -90,6 +90,7 @@ from perfmon.parsers.figures import (
     IntervalFigures,
     PhaseShift,
     RankShift,
+    mean,
 )
 
 MAX_EVENTS = 500  # the most recent kept
@@ -518,10 +519,6 @@ def episodes(events: Iterable[FailSlowEvent], end_ns: int
     return out
 
 
-def _mean(values: list[float]) -> float | None:
-    return statistics.fmean(values) if values else None
-
-
 def _moved_phases(before: list[IntervalFigures], after: list[IntervalFigures],
                   event: FailSlowEvent) -> tuple[PhaseShift, ...]:
     """Phases whose mean time per iteration moved by at least a quarter of the step's
@@ -530,8 +527,8 @@ def _moved_phases(before: list[IntervalFigures], after: list[IntervalFigures],
     names = {p for e in before + after for p in (e.phases or {})}
     moved = []
     for name in names:
-        b = _mean([e.phases[name]["ms"] for e in before if e.phases and e.phases.get(name)])
-        a = _mean([e.phases[name]["ms"] for e in after if e.phases and e.phases.get(name)])
+        b = mean([e.phases[name]["ms"] for e in before if e.phases and e.phases.get(name)])
+        a = mean([e.phases[name]["ms"] for e in after if e.phases and e.phases.get(name)])
         if a is None or b is None:
             continue
         a, b = a / 1e3, b / 1e3
@@ -554,8 +551,8 @@ def _moved_state(before: list[IntervalFigures], after: list[IntervalFigures]
             if a_set != b_set:
                 out[key] = [sorted(b_set), sorted(a_set)]
             continue
-        b = _mean([v for v in values[0] if v is not None])
-        a = _mean([v for v in values[1] if v is not None])
+        b = mean([v for v in values[0] if v is not None])
+        a = mean([v for v in values[1] if v is not None])
         if a is not None and b is not None and abs(a - b) > 0.1 * max(abs(b), 1e-9):
             out[key] = [b * per_si, a * per_si]
     return dict(sorted(out.items()))

@@ -50,6 +50,7 @@ from perfmon.agent.reducers.goodput import Ledger, combined, recorded_ledger
 from perfmon.agent.reducers.iterations import percentile
 from perfmon.agent.reducers.ranks import StragglerRule
 from perfmon.parsers.errors import InputFileError, PerfmonError
+from perfmon.parsers.figures import finite, mean
 
 MAX_DEPTH = 3
 MERGE_DESCRIPTION = ("Combine the perf summaries of one job written on several nodes (matched "
@@ -96,10 +97,6 @@ def _shown(key: JobKey) -> str:
     return key[0] if key[1] is None else f"{key[0]} (user {key[1]})"
 
 
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
 def _whole_ledger(goodput: Any) -> bool:
     """Whether a session's goodput holds the figures its ledger is made of: its GPUs and
     seconds (read_summary makes one out of range unknown, e.g. 10^18 GPUs)."""
@@ -107,15 +104,11 @@ def _whole_ledger(goodput: Any) -> bool:
         return False
     ledger = goodput["job"] if isinstance(goodput.get("job"), dict) else goodput
     return isinstance(ledger.get("gpus"), int) and all(
-        _number(ledger.get(k)) is not None for k in ("wall_seconds", "productive_seconds"))
+        finite(ledger.get(k)) is not None for k in ("wall_seconds", "productive_seconds"))
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
-
-
-def _mean(values: list[float]) -> float | None:
-    return statistics.fmean(values) if values else None
 
 
 class Node:
@@ -132,13 +125,13 @@ class Node:
     def entries(self) -> list[dict[str, Any]]:
         out = [e for r in self.runs for e in r.entries
                if isinstance(e.get("iteration"), int)
-               and _number(e.get("step_time_ms")) is not None]
+               and finite(e.get("step_time_ms")) is not None]
         return sorted(out, key=lambda e: e["iteration"])
 
     def stat(self, key: str) -> float | None:
         """The iteration-weighted mean of a final statistic over this node's summaries."""
-        pairs = [(v, _number(r.stats.get("measured_iterations")) or 1.0) for r in self.runs
-                 if (v := _number(r.stats.get(key))) is not None]
+        pairs = [(v, finite(r.stats.get("measured_iterations")) or 1.0) for r in self.runs
+                 if (v := finite(r.stats.get(key))) is not None]
         total = sum(w for _, w in pairs)
         return sum(v * w for v, w in pairs) / total if pairs and total else None
 
@@ -151,7 +144,7 @@ class Node:
         return max(values) if values else None
 
     def rank_values(self, key: str) -> list[float]:
-        return [v for r in self.ranks() if (v := _number(r.get(key))) is not None]
+        return [v for r in self.ranks() if (v := finite(r.get(key))) is not None]
 
     def events(self, key: str) -> list[dict[str, Any]]:
         """Its summaries' ``key`` events (stragglers, fail_slow), each with its host."""
@@ -179,7 +172,7 @@ class Node:
         infos, stats = [r.info for r in self.runs], [r.stats for r in self.runs]
         pids = sorted({p for i in infos for p in i.get("pids") or [] if isinstance(p, int)})
         ranks = sorted({r for i in infos for r in i.get("ranks") or [] if isinstance(r, int)})
-        peaks = [v for st in stats if (v := _number(st.get("peak_memory_gb"))) is not None]
+        peaks = [v for st in stats if (v := finite(st.get("peak_memory_gb"))) is not None]
         return {
             "host": self.host, "summaries": [str(r.source) for r in self.runs],
             "pids": pids, "ranks": ranks,
@@ -231,16 +224,16 @@ def _job_statistics(rows: list[dict[str, Any]], logs: list[dict[str, Any]]) -> d
     """The job's step times over the aligned intervals, and its throughput over them: a
     node's figure x node step / job step (every node computes from the global batch)."""
     steps_sorted = sorted(e["step_time_ms"] for e in logs)
-    avg_step = _mean(steps_sorted)
+    avg_step = mean(steps_sorted)
 
     def job_rate(key: str) -> float | None:
-        return _mean([v * r["avg_step_time_ms"] / avg_step for r in rows
-                      if avg_step and (v := _number(r.get(key))) is not None
-                      and _number(r.get("avg_step_time_ms"))])
+        return mean([v * r["avg_step_time_ms"] / avg_step for r in rows
+                      if avg_step and (v := finite(r.get(key))) is not None
+                      and finite(r.get("avg_step_time_ms"))])
 
     tflops = job_rate("avg_tflops_per_gpu")
     peaks = [r["avg_tflops_per_gpu"] / r["mfu"] for r in rows
-             if _number(r.get("avg_tflops_per_gpu")) and _number(r.get("mfu"))]
+             if finite(r.get("avg_tflops_per_gpu")) and finite(r.get("mfu"))]
     return {
         "avg_step_time_ms": avg_step,
         "p50_step_time_ms": percentile(steps_sorted, 0.5),
@@ -307,8 +300,8 @@ def _scaled(per_node: dict[str, dict[str, Any]], steps: dict[str, float], job_st
     """A throughput figure over the job's step: each node's x its step / the job's."""
     if job_step <= 0:
         return None
-    return _mean([v * steps[h] / job_step for h, e in per_node.items()
-                  if (v := _number(e.get(key))) is not None])
+    return mean([v * steps[h] / job_step for h, e in per_node.items()
+                  if (v := finite(e.get(key))) is not None])
 
 
 def _slowest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -316,7 +309,7 @@ def _slowest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     much against the median of the other nodes."""
     for key in ("avg_compute_ms", "avg_step_time_ms"):
         values: dict[str, float] = {
-            r["host"]: v for r in rows if (v := _number(r.get(key))) is not None}
+            r["host"]: v for r in rows if (v := finite(r.get(key))) is not None}
         if len(values) < 2 or len(values) < len(rows):
             continue
         host = max(values, key=values.__getitem__)
@@ -333,7 +326,7 @@ def slow_host(rows: list[dict[str, Any]], rank_steps_ms: list[float]
     rule's cross-host form (StragglerRule.across_hosts, as the Prometheus rule
     PerfmonSlowHost) over the ranks' mean step. None when no host does (or fewer than
     two have the figure)."""
-    compute = {r["host"]: v for r in rows if (v := _number(r.get("median_compute_ms")))
+    compute = {r["host"]: v for r in rows if (v := finite(r.get("median_compute_ms")))
                is not None}
     if not rank_steps_ms:
         return None

@@ -248,7 +248,6 @@ def _job_rows(job: RecordedRun, now_s: float, blocks: str, spark: int
         flags.append(Text(f"{len(losses)} loss{'es' if len(losses) > 1 else ''}",
                           style="yellow"))
     pids = list(info.get("pids") or [])
-    ranks = list(info.get("ranks") or [])
     last_memory = job.intervals[-1].memory_bytes if job.intervals else None
     rows: list[tuple[bool, list[Text | str]]] = [(True, [
         Text(f"{host}:{info.get('primary_pid', '?')}"
@@ -271,13 +270,12 @@ def _job_rows(job: RecordedRun, now_s: float, blocks: str, spark: int
         return rows
     peaks = {r["pid"]: r for r in job.stats.get("ranks") or []
              if isinstance(r, dict) and isinstance(r.get("pid"), int)}
-    rank_of = {pid: ranks[i] if i < len(ranks) else None for i, pid in enumerate(pids)}
     selection = select_ranks([peaks.get(pid) or {"pid": pid} for pid in pids
                               if isinstance(pid, int)], RANKS_EACH_WAY)
     rank_rows: list[tuple[bool, list[Text | str]]] = []
     for peak in selection.shown:
         pid = peak["pid"]
-        rank = rank_of.get(pid)
+        rank = job.rank_of(pid)
         rank_memory = peak.get("peak_gpu_memory_gb") or peak.get("peak_rss_gb")
         flag: Text | str = ""
         if pid in straggler_pids or (rank is not None and rank in straggler_ranks):

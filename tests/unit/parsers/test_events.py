@@ -62,7 +62,8 @@ def test_every_record_round_trips_and_checks(cls):
     }[cls.TYPE]
     record = cls(t_mono_ns=1, **example).to_record()
     assert record["type"] == cls.TYPE and record_problem(record) is None
-    assert BY_TYPE[cls.TYPE].from_record(record) == cls(t_mono_ns=1, **example)
+    assert BY_TYPE[cls.TYPE](**{k: v for k, v in record.items() if k != "type"}) == cls(
+        t_mono_ns=1, **example)
     for name in example:
         broken = {**record, name: object()}
         assert record_problem(broken) is not None
@@ -101,8 +102,8 @@ def test_malformed_records_are_named():
         "marker record without 'tid'")
     assert record_problem([good]) == "a list, not a map"
     assert record_problem({"type": "a_newer_kind", "t_mono_ns": 1}) is None  # skipped, unknown
-    with pytest.raises(ValueError, match="without 'source'"):
-        Quality.from_record({"type": "quality", "t_mono_ns": 1})
+    assert record_problem({"type": "quality", "t_mono_ns": 1}) == (
+        "quality record without 'source'")
 
 
 def test_a_window_keeps_what_came_before_its_end_and_cuts_spans_to_it():

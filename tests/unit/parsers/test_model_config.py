@@ -10,12 +10,16 @@ from perfmon.parsers.model_config import (
     model_config_from_mapping,
     model_fields_from_mapping,
     parse_model_config_fields,
-    parse_model_config_text,
     parse_moe_layer_freq,
 )
 
 BASE = {"num_layers": 4, "hidden_size": 4096, "num_attention_heads": 32,
         "seq_length": 2048, "vocab_size": 32000}
+
+
+def _parse_text(text: bytes | str, source: str) -> ModelConfig:
+    """A whole config file's model (as --model-config reads one)."""
+    return model_config_from_mapping(parse_model_config_fields(text, source), source)
 
 
 def build(**changes: object) -> ModelConfig:
@@ -147,12 +151,12 @@ def test_moe_layer_freq_patterns_evaluate_without_eval() -> None:
 
 
 def test_parse_yaml_and_json() -> None:
-    yaml_cfg = parse_model_config_text(
+    yaml_cfg = _parse_text(
         "num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nseq_length: 16\n"
         "vocab_size: 100\nswiglu: true\nmoe_layer_freq: '[0]+[1]'\nnum_experts: 4\n",
         "a.yaml",
     )
-    json_cfg = parse_model_config_text(
+    json_cfg = _parse_text(
         '{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16,'
         ' "vocab_size": 100, "swiglu": true, "moe_layer_freq": [0, 1], "num_experts": 4}',
         "a.json",
@@ -194,7 +198,7 @@ data:
 
 def test_flagscale_layout_reads_model_system_and_tokenizer_sections() -> None:
     # Excerpt of FlagScale's examples/llama/conf/train/train_llama3_70b.yaml.
-    cfg = parse_model_config_text(FLAGSCALE, "train_llama3_70b.yaml")
+    cfg = _parse_text(FLAGSCALE, "train_llama3_70b.yaml")
     assert (cfg.num_layers, cfg.effective_num_query_groups, cfg.vocab_size) == (80, 8, 128256)
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (8, 4)
     assert cfg.make_vocab_size_divisible_by == 64
