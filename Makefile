@@ -32,7 +32,7 @@ SYSCONFDIR ?= /etc/perfmon-agent
 UNITDIR ?= /etc/systemd/system
 SERVICE_DOCS := docs/service.md docs/prometheus.md docs/security.md docs/requirements.md
 
-.PHONY: setup setup-system setup-test-system setup-headers setup-venv demo test test-fast lint typecheck clean install uninstall
+.PHONY: setup setup-system setup-test-system setup-headers setup-venv demo test test-fast summary-types lint typecheck clean install uninstall
 
 setup: setup-system setup-headers setup-venv
 
@@ -120,6 +120,12 @@ test-fast:
 	  "test-fast: $(PY) lacks the test tools: run make test once, or make setup-venv and then $(PY) -m pip install -e '.[demo,test]'"; \
 	  exit 1; }
 	$(PY) -m pytest -q -m "not slow" tests/unit
+
+# The summary's TypedDicts (agent/record/summary_types.py), written from its schema.
+summary-types:
+	$(PY) -c "import json, sys; from perfmon.parsers.schema_types import typed_dicts_source; \
+	  sys.stdout.write(typed_dicts_source(json.load(open('parsers/data/perf_summary.schema.json'))))" \
+	  > agent/record/summary_types.py
 
 # The service's own virtualenv (Debian's python3, --system-site-packages for bcc),
 # the package built from this tree, the unit with PREFIX and SYSCONFDIR filled in.

@@ -28,12 +28,8 @@ from typing import Any
 
 from perfmon.agent.record.layout import LOG_GLOB, SUMMARY_GLOB, recorded_files
 from perfmon.agent.record.replay import EntrySink, rebuild_from_event_log
-from perfmon.agent.record.summary import (
-    MAX_SUMMARY_BYTES,
-    FinalStatistics,
-    SessionInfo,
-    parse_summary,
-)
+from perfmon.agent.record.summary import MAX_SUMMARY_BYTES, parse_summary
+from perfmon.agent.record.summary_types import FinalStatistics, SessionInfo
 from perfmon.agent.reducers import rank_map
 from perfmon.parsers.errors import InputFileError, PerfmonError
 from perfmon.parsers.figures import IntervalFigures, Statistics, parse
