@@ -63,8 +63,19 @@ def quiet_broken_pipe() -> None:
         os.close(devnull)
 
 
+# The width of a table written to a file or a pipe: rich's default there is 80 columns,
+# which cuts paths with an ellipsis; a file has no width to fit.
+FILE_WIDTH = 1000
+
+
 class PipeConsole(Console):
-    """A rich console that reports a closed stdout (rich itself exits with status 1)."""
+    """A rich console that reports a closed stdout (rich itself exits with status 1), and
+    fits where it writes: a terminal's width, or no cut at all in a file or a pipe."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not self.is_terminal and "width" not in kwargs:
+            self.width = FILE_WIDTH
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
