@@ -172,7 +172,7 @@ class ProcessSample(Record):
 
 @dataclass(frozen=True)
 class GpuSamples(Record):
-    """One NVML sample of every GPU (one map per GPU: perfmon.probes.nvml.GpuSample)."""
+    """One NVML sample of every GPU (one map per GPU: perfmon.probes.gpu_sampling.GpuSample)."""
 
     TYPE: ClassVar[str] = "gpu"
     gpus: list[dict[str, Any]]

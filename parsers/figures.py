@@ -174,7 +174,9 @@ def finite(value: Any) -> float | None:
 # -- the records -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+# (the two records made for every log interval are not frozen: a frozen dataclass sets each
+# field through object.__setattr__, which a week-long replay feels)
+@dataclass(slots=True)
 class RankFigures:
     """One rank's means (over a log interval, or the whole session), and its peaks."""
 
@@ -194,7 +196,7 @@ class RankFigures:
     gpu_indices: tuple[int, ...] | None = shown("gpu_indices", omitted_when_none=True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class IntervalFigures:
     """One log interval (``iteration_logs``): the means over its iterations."""
 

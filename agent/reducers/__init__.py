@@ -154,10 +154,12 @@ class Summarizer:
 
     def feed(self, record: dict[str, Any]) -> list[IntervalFigures]:
         """Take one record (as the log holds it); return the log intervals it completed."""
-        kind = record["type"]
-        self._latest_ns = max(self._latest_ns, record.get("t_mono_ns") or 0)
+        kind, t_ns = record["type"], record["t_mono_ns"]
+        self._latest_ns = max(self._latest_ns, t_ns)
         self._dispatch.feed(record)
-        return self._completed(record["t_mono_ns"], kind == "session_end")
+        if not self._waiting and kind != "session_end":  # (the list itself: every record)
+            return []
+        return self._completed(t_ns, kind == "session_end")
 
     def feed_rows(self, t_mono_ns: int, block: StepBlock) -> list[IntervalFigures]:
         """Take a block of step rows (the live session's, as it logs them as a ``steps``

@@ -126,4 +126,5 @@ class Intervals:
             self.entries = [self.entries[i] for i in keep]
             self._seq = [self._seq[i] for i in keep]
         for i in range(len(self.entries) - recent):
-            self.entries[i] = replace(self.entries[i], kept_one_in=self.log_stride)
+            if self.entries[i].kept_one_in != self.log_stride:  # (most are already)
+                self.entries[i] = replace(self.entries[i], kept_one_in=self.log_stride)

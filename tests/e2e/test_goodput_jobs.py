@@ -40,8 +40,8 @@ from tests.conftest import (
     load_summary,
     wait_for,
 )
-from tests.e2e.test_trace import _load as trace_events
 from tests.prom import free_port, get
+from tests.traces import trace_events
 
 HANG_AT, HANG_S = 100, 25.0
 # Seconds after training started: 60% longer for 40 s, then 4% above the old pace.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,29 +13,12 @@ from typing import Any
 from tests import eventlogs
 from tests.conftest import load_summary
 from tests.e2e.test_report import node_log, shifted
+from tests.traces import trace_events as _load
 
 
 def _trace(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "perfmon.agent.cli", "trace", *args],
                           capture_output=True, text=True, timeout=120, check=False)
-
-
-def _load(path: Path) -> list[dict[str, Any]]:
-    """The trace's events, checked against the trace-event format's rules."""
-    doc = json.loads(path.read_text())
-    assert doc["otherData"]["clock"] == "CLOCK_MONOTONIC"
-    events = doc["traceEvents"]
-    for e in events:
-        assert e["ph"] in ("X", "C", "i", "M") and isinstance(e["pid"], int)
-        if e["ph"] != "M":
-            assert isinstance(e["ts"], float | int)
-        if e["ph"] in ("X", "i"):
-            assert isinstance(e["tid"], int) and 0 < e["tid"] < 2**31
-        if e["ph"] == "X":
-            assert e["dur"] >= 0
-        if e["ph"] == "C":
-            assert e["args"] and all(isinstance(v, float | int) for v in e["args"].values())
-    return events
 
 
 def _names(events: list[dict[str, Any]], kind: str) -> dict[tuple[int, int | None], str]:

@@ -13,7 +13,7 @@ from perfmon.agent.record.outputs import OutputDir
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.events import GpuSamples
 
-from tests.e2e.test_trace import _load as trace_events
+from tests.traces import trace_events
 
 S = 1_000_000_000
 FACTS = {"workload": {}, "primary_pid": 4242, "pids": [4242], "ranks": [0],
