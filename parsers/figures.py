@@ -38,6 +38,7 @@ __all__ = [
     "StragglerEpisode",
     "Unit",
     "finite",
+    "mean",
     "parse",
     "render",
     "scaled",
@@ -88,16 +89,14 @@ def scaled(value: float | None, factor: float) -> float | None:
 
 
 def _scaled(value: Any, factor: float) -> Any:
-    if factor == 1.0 or value is None or isinstance(value, bool):
-        return value
-    return value * factor
+    return value if factor == 1.0 or isinstance(value, bool) else scaled(value, factor)
 
 
 def render(record: Any) -> dict[str, Any]:
     """The summary's dict of a figures record: each shown field under its key, in its unit
     (records inside it rendered too)."""
     out: dict[str, Any] = {}
-    for f, key, unit, omit in _shown_fields(type(record)):
+    for f, key, unit, omit, _inner in _shown_fields(type(record)):
         value = getattr(record, f)
         if omit and (not getattr(record, omit) if isinstance(omit, str) else value is None):
             continue
@@ -119,14 +118,12 @@ def parse(cls: type[R], shown_dict: Mapping[str, Any]) -> R:
     """The record of ``cls`` a summary's dict shows (``render``'s inverse; a key missing
     is an unknown figure). The dict is one kept to the schema (record.summary)."""
     values: dict[str, Any] = {}
-    hints = typing.get_type_hints(cls)
-    for f, key, unit, omit in _shown_fields(cls):
+    for f, key, unit, omit, inner in _shown_fields(cls):
         if key not in shown_dict:
             continue
         if isinstance(omit, str):  # (the key is there: the source it needs was on)
             values[omit] = True
         value = shown_dict[key]
-        inner = _record_type(hints[f])
         if inner is not None and isinstance(value, Mapping):
             value = parse(inner, value)
         elif inner is not None and isinstance(value, list):
@@ -148,16 +145,20 @@ def _record_type(hint: Any) -> type | None:
     return None
 
 
-_FIELDS: dict[type, list[tuple[str, str, Unit, bool | str]]] = {}
+_Shown = tuple[str, str, Unit, bool | str, type | None]
+_FIELDS: dict[type, list[_Shown]] = {}
 
 
-def _shown_fields(cls: type) -> list[tuple[str, str, Unit, bool | str]]:
+def _shown_fields(cls: type) -> list[_Shown]:
     """(field, key, unit, when it is omitted: True when None, or the name of the field
-    that must be true for it to be there) of the fields ``cls`` shows, cached."""
+    that must be true for it to be there, the figures record it holds if any) of the
+    fields ``cls`` shows, cached."""
     found = _FIELDS.get(cls)
     if found is None:
+        hints = typing.get_type_hints(cls)
         found = _FIELDS[cls] = [
-            (f.name, f.metadata["key"], f.metadata["unit"], f.metadata["omit"])
+            (f.name, f.metadata["key"], f.metadata["unit"], f.metadata["omit"],
+             _record_type(hints[f.name]))
             for f in dataclasses.fields(cls) if "key" in f.metadata]
     return found
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of what the agent measures, for one host and the jobs on it.
 
-The session pushes figures as they happen (``job_started``, ``iteration``,
-``interval``, ``statistics``, ``rank_values``, ``job_finished``, ``agent``); each
+The session pushes the Summarizer's typed figures as they happen (``job_started``,
+``iteration``, ``interval`` with an IntervalFigures, ``statistics`` with the Statistics,
+``job_finished``, ``agent``; perfmon.parsers.figures), never the summary file's; each
 call only updates plain numbers under a lock (about a microsecond), so the agent's
 200 ms loop and its CPU budget (1% of a core per rank) do not feel it. The
 exposition is built when Prometheus scrapes (``Metrics.collect``, run by

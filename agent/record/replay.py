@@ -21,6 +21,7 @@ from perfmon.agent.record.layout import log_parts
 from perfmon.agent.record.summary import build_summary, check_summary, facts_filter
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.errors import EventLogError, InputFileError
+from perfmon.parsers.figures import render
 from perfmon.parsers.log_reader import EventLogReader
 from perfmon.parsers.workload import Workload
 from perfmon.probes.files import open_user_file
@@ -144,8 +145,8 @@ def rebuild_from_event_log(path: Path,
 
     A log without a ``session_end`` record (the agent was killed) ends at its
     last record, with ``end_reason`` ``log_truncated``. ``entries(facts)``, called
-    with the session's facts, returns what gets every iteration_logs entry as it
-    completes (before any thinning). Raises
+    with the session's facts, returns what gets every iteration_logs entry (as the
+    summary shows it) as it completes (before any thinning). Raises
     EventLogError or InputFileError (both exit 2) for a file that is no event log.
     """
     try:
@@ -168,7 +169,7 @@ def rebuild_from_event_log(path: Path,
 
         def sink(record: dict[str, Any]) -> None:
             for entry in feed(record):
-                on_entry(entry)
+                on_entry(render(entry))
 
         return sink
 
@@ -177,7 +178,7 @@ def rebuild_from_event_log(path: Path,
     if summarizer.end_reason is None:
         for entry in summarizer.feed({"type": "session_end", "t_mono_ns": last_ns,
                                       "reason": "log_truncated"}):
-            sinks[0](entry)
+            sinks[0](render(entry))
     summary = build_summary(facts, summarizer)
     summary["session_info"]["rebuilt_from_event_log"] = True
     summary["session_info"]["event_log_tail_cut"] = tail_cut

@@ -1,15 +1,18 @@
-"""From event-log records to iteration logs and final statistics: one small reducer per
-family of numbers, and a dispatcher keyed by record type.
+"""From event-log records to the typed figures (perfmon.parsers.figures): one small
+reducer per family of numbers, and a dispatcher keyed by record type
+(steps.RecordDispatch).
 
 The Summarizer is a pure function of the record stream: the live session feeds
-it each record as it logs it, and ``perfmon-agent summarize`` feeds it the same
-records read back from the log, so both give the same numbers. Adding a metric
-means one record type (perfmon.parsers.events) and one reducer here.
+it each record as it logs it (its step rows as the blocks themselves), and
+``perfmon-agent summarize`` feeds it the same records read back from the log, so both
+give the same figures: IntervalFigures as log intervals complete, and Statistics
+(``statistics()``) whenever asked. Adding a figure means one field of a figures record
+and the reducer that fills it (docs/architecture.md, "Adding a figure").
 
 - steps.StepRows: markers -> one row per rank and iteration end (older logs; the live
   session logs the rows)
 - iterations.IterationClock: the primary's rows -> iterations, step times, the job's numbering
-- intervals.Intervals: iteration_logs entries (and their thinning)
+- intervals.Intervals: the log intervals (iteration_logs, and their thinning)
 - phases.PhaseAccount: where each iteration's time goes
 - resources.Resources: memory and GPU series, GPU events
 - cuda.CudaActivity: CUDA/NCCL per iteration
