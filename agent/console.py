@@ -144,19 +144,16 @@ def _quality_row(stats: Statistics) -> str:
 def _goodput_row(stats: Statistics) -> str:
     """The session's goodput, its largest losses, and what it did not see."""
     ledger = stats.goodput
-    if not isinstance(ledger, Mapping):
+    if ledger is None:
         return "-"
-    lost = ledger.get("lost_seconds")
-    lost = lost if isinstance(lost, Mapping) else {}
-    top = sorted(((s, c) for c, s in lost.items() if isinstance(s, int | float) and s >= 0.05),
-                 reverse=True)[:3]
-    unseen = ledger.get("unobserved_seconds")
-    ratio = ledger.get("ratio")
-    text = (f"{ratio:.1%} of {fmt(ledger.get('wall_seconds'), '.1f', ' s')}"
-            if isinstance(ratio, int | float) else "unknown (no iteration seen)")
+    top = sorted(((s, c) for c, s in ledger.lost_s.items()
+                  if finite(s) is not None and s >= 0.05), reverse=True)[:3]
+    ratio, unseen = finite(ledger.ratio), finite(ledger.unobserved_s)
+    text = (f"{ratio:.1%} of {fmt(ledger.wall_s, '.1f', ' s')}"
+            if ratio is not None else "unknown (no iteration seen)")
     if top:
         text += " (lost: " + ", ".join(f"{c} {s:.1f} s" for s, c in top) + ")"
-    if isinstance(unseen, int | float) and unseen > 0:
+    if unseen is not None and unseen > 0:
         text += f"; {unseen:.1f} s not seen"
     return text
 

@@ -15,6 +15,7 @@ unit.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import statistics
 import typing
@@ -25,11 +26,17 @@ from typing import Any, Literal, TypeVar
 __all__ = [
     "AS_IS",
     "GIB",
+    "LOSS_CAUSES",
     "MS",
     "PCT",
+    "SECONDS",
     "TFLOPS",
+    "CudaFigures",
     "FailSlowEvent",
     "FailSlowNow",
+    "Goodput",
+    "GoodputLedger",
+    "HangEpisode",
     "IntervalFigures",
     "PhaseShift",
     "RankFigures",
@@ -62,6 +69,7 @@ MS = Unit("ms", 1e3, ("_ms",), ("_s",))
 GIB = Unit("GiB", 1 / (1 << 30), ("_gb", "_GB"), ("_bytes",))
 PCT = Unit("%", 100.0, ("_pct",), ("utilization",))
 TFLOPS = Unit("TFLOPS", 1e-12, ("tflops_per_gpu", "TFLOPS_per_GPU"), ("flops_per_gpu",))
+SECONDS = Unit("s", 1.0, ("_seconds",), ("_s",))
 AS_IS = Unit("", 1.0, (), ())  # counts, names, ratios, watts, ns stamps: shown as they are
 
 
@@ -156,10 +164,14 @@ def _shown_fields(cls: type) -> list[_Shown]:
     found = _FIELDS.get(cls)
     if found is None:
         hints = typing.get_type_hints(cls)
+        # (a record's own figures before those it shares with others, CudaFigures': the
+        # summary reads iteration, timestamp, step time first, as FlagScale's does)
+        own = inspect.get_annotations(cls)
+        fields = sorted(dataclasses.fields(cls), key=lambda f: f.name not in own)
         found = _FIELDS[cls] = [
             (f.name, f.metadata["key"], f.metadata["unit"], f.metadata["omit"],
              _record_type(hints[f.name]))
-            for f in dataclasses.fields(cls) if "key" in f.metadata]
+            for f in fields if "key" in f.metadata]
     return found
 
 
@@ -198,7 +210,21 @@ class RankFigures:
 
 
 @dataclass(slots=True)
-class IntervalFigures:
+class CudaFigures:
+    """CUDA and NCCL activity per iteration, where the CUDA counters ran (``cuda``: the
+    figures are shown, known or not); a log interval's and the session's."""
+
+    kernels_per_iter: float | None = shown("kernels_per_iter", only_with="cuda")
+    cpu_sync_wait_s: float | None = shown("cpu_sync_wait_ms", MS, only_with="cuda")
+    nccl_calls_per_iter: float | None = shown("nccl_calls_per_iter", only_with="cuda")
+    nccl_bytes_per_iter: float | None = shown("nccl_bytes_per_iter", only_with="cuda")
+    nccl_per_iter_by_collective: Mapping[str, Any] | None = shown(
+        "nccl_per_iter_by_collective", only_with="cuda")
+    cuda: bool = False  # the CUDA counters were on (their figures shown, known or not)
+
+
+@dataclass(slots=True)
+class IntervalFigures(CudaFigures):
     """One log interval (``iteration_logs``): the means over its iterations."""
 
     iteration: int = shown("iteration")  # the job's number of its last iteration
@@ -216,14 +242,7 @@ class IntervalFigures:
     gpu_throttle_reasons: tuple[str, ...] | None = shown("gpu_throttle_reasons",
                                                           omitted_when_none=True)
     phases: Mapping[str, Any] | None = shown("phases")
-    kernels_per_iter: float | None = shown("kernels_per_iter", only_with="cuda")
-    cpu_sync_wait_s: float | None = shown("cpu_sync_wait_ms", MS, only_with="cuda")
-    nccl_calls_per_iter: float | None = shown("nccl_calls_per_iter", only_with="cuda")
-    nccl_bytes_per_iter: float | None = shown("nccl_bytes_per_iter", only_with="cuda")
-    nccl_per_iter_by_collective: Mapping[str, Any] | None = shown(
-        "nccl_per_iter_by_collective", only_with="cuda")
     mfu: float | None = None  # model FLOP/s over the device's peak
-    cuda: bool = False  # the CUDA counters were on (their figures shown, known or not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +310,23 @@ class StragglerEpisode:
 
 
 @dataclass(frozen=True, slots=True)
+class HangEpisode:
+    """No iteration for ``threshold_s`` (perfmon.agent.measure.hangs): found at ``t_ns``,
+    the job's last iteration before it, where the ranks wait (``frame``, the stack
+    report's path ``report``), the phase most ranks' main threads were in, and when the
+    iterations resumed (``recovered_at``; None while it lasts)."""
+
+    t_ns: int = shown("t_mono_ns")
+    timestamp: str = shown("timestamp")
+    last_iteration_ns: int = shown("last_iteration_mono_ns")
+    threshold_s: float = shown("threshold_s")
+    frame: str = shown("frame")
+    report: str = shown("report")
+    phase: str | None = shown("phase")
+    recovered_at: str | None = shown("recovered_at")
+
+
+@dataclass(frozen=True, slots=True)
 class FailSlowNow:
     """The fail-slow episode open now: its step time over the healthy baseline, and the
     phase whose time moved most (``unknown`` until the samples tell)."""
@@ -299,8 +335,49 @@ class FailSlowNow:
     phase: str
 
 
+# What a goodput ledger's lost time went to (docs/metrics.md, "Goodput").
+LOSS_CAUSES = ("startup", "hang", "restart", "straggler", "slowdown", "data_stall",
+               "unexplained")
+
+
 @dataclass(frozen=True, slots=True)
-class Statistics:
+class GoodputLedger:
+    """Seconds of one rank (of ``gpus``) by what they went to: productive + lost = wall;
+    ``unobserved_s``, time the agent could not see, is outside the wall time and the ratio.
+    The GPU-hours are the seconds x ``gpus`` (perfmon.agent.reducers.goodput.Ledger)."""
+
+    ratio: float | None = shown("ratio")  # productive over wall (None: no time, or none seen)
+    gpus: int = shown("gpus", default=1)
+    wall_s: float = shown("wall_seconds", SECONDS, default=0.0)
+    productive_s: float = shown("productive_seconds", SECONDS, default=0.0)
+    lost_s: Mapping[str, float] = shown("lost_seconds", SECONDS, empty=dict)  # by cause
+    gpu_hours: float = shown("gpu_hours", default=0.0)
+    productive_gpu_hours: float = shown("productive_gpu_hours", default=0.0)
+    lost_gpu_hours: Mapping[str, float] = shown("lost_gpu_hours", empty=dict)
+    unobserved_s: float = shown("unobserved_seconds", SECONDS, default=0.0)
+    unobserved_gpu_hours: float = shown("unobserved_gpu_hours", default=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Goodput(GoodputLedger):
+    """A session's ledger (``final_statistics.goodput``) and, where the job had earlier
+    sessions (a restart), the job's (``job``)."""
+
+    window_from: Literal["process_start", "attach", "previous_session"] = shown(
+        "from", default="attach")  # where the ledger's time starts
+    last_job_iteration: int | None = shown("last_job_iteration")  # the job's own number
+    last_end_ns: int | None = shown("last_end_mono_ns")  # its last iteration's end
+    job: GoodputLedger | None = shown("job", omitted_when_none=True)
+
+    @property
+    def of_job(self) -> GoodputLedger:
+        """The job's ledger across its sessions where it had several, else the session's."""
+        return self.job or GoodputLedger(*(getattr(self, f.name)
+                                           for f in dataclasses.fields(GoodputLedger)))
+
+
+@dataclass(slots=True)
+class Statistics(CudaFigures):
     """The session's figures so far (``final_statistics``), and what the other sinks
     need of it."""
 
@@ -334,26 +411,17 @@ class Statistics:
     phases: Mapping[str, Any] | None = shown("phases")
     phases_source: Literal["uprobe", "pyspy", "uprobe+pyspy"] | None = shown("phases_source")
     phases_iterations: int | None = shown("phases_iterations")
-    kernels_per_iter: float | None = shown("kernels_per_iter", only_with="cuda")
-    cpu_sync_wait_s: float | None = shown("cpu_sync_wait_ms", MS, only_with="cuda")
-    nccl_calls_per_iter: float | None = shown("nccl_calls_per_iter", only_with="cuda")
-    nccl_bytes_per_iter: float | None = shown("nccl_bytes_per_iter", only_with="cuda")
-    nccl_per_iter_by_collective: Mapping[str, Any] | None = shown(
-        "nccl_per_iter_by_collective", only_with="cuda")
     kernel_launches_sampled_iterations: int | None = shown(
         "kernel_launches_sampled_iterations", only_with="cuda")
-    hangs: tuple[Mapping[str, Any], ...] = shown("hangs", default=())
+    hangs: tuple[HangEpisode, ...] = shown("hangs", default=())
     stragglers: tuple[StragglerEpisode, ...] = shown("stragglers", default=())
     fail_slow: tuple[FailSlowEvent, ...] = shown("fail_slow", default=())
-    goodput: Mapping[str, Any] | None = shown("goodput")
+    goodput: Goodput | None = shown("goodput", omitted_when_none=True)
     data_quality: Mapping[str, Any] = shown("data_quality", empty=dict)
     # -- for the other sinks (Prometheus, the console) ---------------------------------
-    cuda: bool = False  # the CUDA counters were on (their figures shown, known or not)
     hung: bool = False  # a hang is open now
     fail_slow_now: FailSlowNow | None = None
     gpu_event_counts: Mapping[str, int] = field(default_factory=dict)
     # (source, counter) -> the value of each source's loss counters (data_quality)
     losses: Mapping[tuple[str, str], float] = field(default_factory=dict)
-    # The job's ledger (across its sessions): its goodput and its lost seconds by cause.
-    goodput_ratio: float | None = None
-    lost_s: Mapping[str, float] = field(default_factory=dict)
+

@@ -203,8 +203,8 @@ def _feed(fed: Fed, attach_ns: int, process_start_ns: int | None,
             goodput.on_hang({"last_iteration_mono_ns": since, "phase": phase})
             hung = True
     failslow.resolve([], True)
-    return (goodput.summary(fed.end_ns, failslow.events, [], hung, first_job_iteration,
-                            exited=exited), [render(e) for e in failslow.events],
+    return (render(goodput.summary(fed.end_ns, failslow.events, [], hung, first_job_iteration,
+                                   exited=exited)), [render(e) for e in failslow.events],
             failslow.now() is not None)
 
 

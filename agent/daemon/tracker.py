@@ -52,7 +52,7 @@ from perfmon.agent.options import AttachOptions
 from perfmon.agent.record.layout import job_folder
 from perfmon.agent.record.outputs import OutputDir
 from perfmon.parsers.errors import PerfmonError
-from perfmon.parsers.figures import scaled
+from perfmon.parsers.figures import Goodput, render, scaled
 from perfmon.parsers.job_identity import local_rank, safe_name, scheduler_fields, world_size
 from perfmon.probes.discovery import ProcessScan
 from perfmon.probes.errors import ProbeError
@@ -450,8 +450,7 @@ class JobTracker:
             })
             job.before = _job_so_far(stats.goodput, info.get("detach_monotonic_ns"))
             if job.before is not None:
-                job.record["goodput"] = {k: v for k, v in job.before["ledger"].items()
-                                         if k not in ("job", "from", "last_job_iteration")}
+                job.record["goodput"] = job.before["ledger"]
             cause = job.record["segments"][-1]["cause"]
             self.log(f"job {job.shown}: session ended ({info.get('end_reason')}): "
                      f"{info.get('total_iterations')} iterations"
@@ -538,12 +537,13 @@ class JobTracker:
             now_wall_s=now_wall_s, log=self.log)
 
 
-def _job_so_far(goodput: Any, end_ns: Any) -> dict[str, Any] | None:
-    """What the next session of a job needs of the ended one's goodput: the job's ledger
-    so far (the session's own, or the job's when it had earlier ones), when it ended and
-    its last iteration did, the job's last iteration number."""
-    if not isinstance(goodput, dict) or not isinstance(end_ns, int):
+def _job_so_far(goodput: Goodput | None, end_ns: Any) -> dict[str, Any] | None:
+    """What the next session of a job needs of the ended one's goodput (a session fact,
+    logged, as the summary shows it): the job's ledger so far (the session's own, or the
+    job's when it had earlier ones), when it ended and its last iteration did, the job's
+    last iteration number."""
+    if goodput is None or not isinstance(end_ns, int):
         return None
-    return {"ledger": goodput.get("job") or goodput, "end_mono_ns": end_ns,
-            "last_end_mono_ns": goodput.get("last_end_mono_ns"),
-            "last_job_iteration": goodput.get("last_job_iteration")}
+    return {"ledger": render(goodput.of_job), "end_mono_ns": end_ns,
+            "last_end_mono_ns": goodput.last_end_ns,
+            "last_job_iteration": goodput.last_job_iteration}

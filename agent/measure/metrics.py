@@ -234,10 +234,12 @@ class Metrics(Collector):
                     # Counters never go down, even if a caller passes older figures.
                     state.gpu_events[kind_name] = max(count, state.gpu_events[kind_name])
             state.losses = dict(stats.losses)
-            state.set_gauge("goodput_ratio", stats.goodput_ratio)
+            # (the job's ledger, across its sessions)
+            ledger = stats.goodput.of_job if stats.goodput is not None else None
+            state.set_gauge("goodput_ratio", ledger.ratio if ledger is not None else None)
             for cause in CAUSES:
                 # (a counter: a cause recognised later may move seconds from unexplained)
-                seconds = stats.lost_s.get(cause)
+                seconds = ledger.lost_s.get(cause) if ledger is not None else None
                 if seconds is not None:
                     state.lost_seconds[cause] = max(seconds, state.lost_seconds.get(cause, 0.0))
             now = stats.fail_slow_now

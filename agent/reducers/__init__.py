@@ -49,6 +49,7 @@ from perfmon.parsers.figures import (
     Statistics,
     StragglerEpisode,
 )
+from perfmon.parsers.figures import Goodput as GoodputFigures
 from perfmon.parsers.step_rows import StepBlock
 from perfmon.parsers.workload import Workload
 
@@ -302,18 +303,17 @@ class Summarizer:
             fields["iteration_counter"] = self.clock.job.variable
         return fields
 
-    def _goodput(self) -> dict[str, Any]:
+    def _goodput(self) -> GoodputFigures:
         offset = self.clock.job.offset
-        ledger = self.goodput.summary(self.end_t_mono_ns or self._latest_ns,
-                                      self.failslow.events, self.ranks.stragglers(),
-                                      self.hangs.hung,
-                                      1 + offset if offset is not None else None,
-                                      exited=self.end_reason in ENDED_WITH_THE_RANKS)
-        # (the job's own number of its last iteration: a next session, after a restart,
-        # counts the iterations redone from it)
-        ledger["last_job_iteration"] = (self.clock.iterations_ended + offset
-                                        if offset is not None else None)
-        return ledger
+        # (the job's own numbers of its first and last iterations: a next session, after a
+        # restart, counts the iterations redone from the last)
+        return self.goodput.summary(
+            self.end_t_mono_ns or self._latest_ns, self.failslow.events,
+            self.ranks.stragglers(), self.hangs.hung,
+            1 + offset if offset is not None else None,
+            exited=self.end_reason in ENDED_WITH_THE_RANKS,
+            last_job_iteration=(self.clock.iterations_ended + offset
+                                if offset is not None else None))
 
     def statistics(self) -> Statistics:
         """The session's figures so far."""
@@ -325,8 +325,6 @@ class Summarizer:
                     if flops is not None and w.hardware_flops_per_sample
                     and w.flops_per_sample else None)
         quality, losses = self.quality.summary({"iterations": self.clock.quality()})
-        goodput = self._goodput()
-        ledger = goodput.get("job") or goodput
         resources = self.resources.summary()
         cuda = self.cuda.summary() if self.cuda is not None else {}
         return Statistics(
@@ -339,9 +337,9 @@ class Summarizer:
             # (the iterations the breakdown rests on: with bursts, those sampled)
             phases_iterations=self.phases.total_iterations if self.phases.source else None,
             hangs=tuple(self.hangs.hangs), stragglers=tuple(self.ranks.stragglers()),
-            fail_slow=tuple(self.failslow.events), goodput=goodput, data_quality=quality,
-            hung=self.hangs.hung, fail_slow_now=self.failslow.now(), losses=losses,
-            goodput_ratio=ledger["ratio"], lost_s=ledger["lost_seconds"])
+            fail_slow=tuple(self.failslow.events), goodput=self._goodput(),
+            data_quality=quality, hung=self.hangs.hung, fail_slow_now=self.failslow.now(),
+            losses=losses)
 
     def _ranks(self) -> tuple[RankFigures, ...]:
         """Each rank's peaks (resources) and its step, wait and compute means, by pid."""

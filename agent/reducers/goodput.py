@@ -49,15 +49,21 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from perfmon.agent.reducers.failslow import episodes
 from perfmon.agent.reducers.pace import Pace
-from perfmon.parsers.figures import FailSlowEvent, StragglerEpisode
+from perfmon.parsers.figures import LOSS_CAUSES as CAUSES
+from perfmon.parsers.figures import (
+    FailSlowEvent,
+    GoodputLedger,
+    StragglerEpisode,
+    finite,
+)
+from perfmon.parsers.figures import Goodput as GoodputFigures
 
-CAUSES = ("startup", "hang", "restart", "straggler", "slowdown", "data_stall", "unexplained")
 MAX_BINS = 4096
 MIN_SHIFT = 0.03  # outside episodes, excess within this share of the pace is noise,
 BAND_SIGMAS = 3.0  # ... or within this many sigmas of a second's steps
@@ -116,31 +122,47 @@ class Ledger:
         for cause, s in other.lost_s.items():
             self.lost_s[cause] += s
 
-    def to_dict(self) -> dict[str, Any]:
+    def figures(self) -> GoodputLedger:
+        """The ledger as the stream has it (seconds to the ms, GPU-hours to 10^-6)."""
+        return GoodputLedger(**self._figures())
+
+    def _figures(self) -> dict[str, Any]:
         hours = self.gpus / 3600
         return {
             "ratio": round(self.productive_s / self.wall_s, 6) if self.wall_s > 0 else None,
             "gpus": self.gpus,
-            "wall_seconds": round(self.wall_s, 3),
-            "productive_seconds": round(self.productive_s, 3),
-            "lost_seconds": {c: round(s, 3) for c, s in self.lost_s.items()},
+            "wall_s": round(self.wall_s, 3),
+            "productive_s": round(self.productive_s, 3),
+            "lost_s": {c: round(s, 3) for c, s in self.lost_s.items()},
             "gpu_hours": round(self.wall_s * hours, 6),
             "productive_gpu_hours": round(self.productive_s * hours, 6),
             "lost_gpu_hours": {c: round(s * hours, 6) for c, s in self.lost_s.items()},
-            "unobserved_seconds": round(self.unobserved_s, 3),
+            "unobserved_s": round(self.unobserved_s, 3),
             "unobserved_gpu_hours": round(self.unobserved_s * hours, 6),
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Ledger:
+    def from_dict(cls, d: Mapping[str, Any]) -> Ledger:
+        """The ledger a summary, a job record or a log shows (anyone's: what is not a
+        number is none)."""
         lost = dict.fromkeys(CAUSES, 0.0)
-        for cause, s in (d.get("lost_seconds") or {}).items():
-            if cause in lost and isinstance(s, int | float):
+        shown_lost = d.get("lost_seconds")
+        for cause, s in (shown_lost.items() if isinstance(shown_lost, Mapping) else ()):
+            if cause in lost and finite(s) is not None:
                 lost[cause] = float(s)
-        unobserved = d.get("unobserved_seconds")  # (absent before it was kept: none)
-        return cls(float(d.get("wall_seconds") or 0.0), float(d.get("productive_seconds") or 0.0),
-                   lost, int(d.get("gpus") or 1),
-                   float(unobserved) if isinstance(unobserved, int | float) else 0.0)
+        gpus = d.get("gpus")
+        # (unobserved_seconds: absent before it was kept, none)
+        return cls(finite(d.get("wall_seconds")) or 0.0,
+                   finite(d.get("productive_seconds")) or 0.0, lost,
+                   gpus if type(gpus) is int and gpus >= 1 else 1,
+                   finite(d.get("unobserved_seconds")) or 0.0)
+
+    @classmethod
+    def of(cls, figures: GoodputLedger) -> Ledger:
+        """The ledger to add to of one the stream had."""
+        return cls(figures.wall_s, figures.productive_s,
+                   {c: figures.lost_s.get(c, 0.0) for c in CAUSES}, figures.gpus,
+                   figures.unobserved_s)
 
 
 class _Account:
@@ -247,23 +269,23 @@ class Goodput:
 
     def summary(self, end_ns: int, fail_slow: Sequence[FailSlowEvent],
                 stragglers: Sequence[StragglerEpisode], hung: bool,
-                first_job_iteration: int | None = None, *, exited: bool = False
-                ) -> dict[str, Any]:
+                first_job_iteration: int | None = None, *, exited: bool = False,
+                last_job_iteration: int | None = None) -> GoodputFigures:
         """final_statistics.goodput at ``end_ns``: the session's ledger, and with earlier
         sessions of the job (``previous``), the job's as ``job`` (``first_job_iteration``:
-        the job's own number of this session's first iteration, to count those redone).
+        the job's own number of this session's first iteration, to count those redone;
+        ``last_job_iteration``: of its last, for a next session after a restart).
         ``exited``: the session ended as its ranks exited (the time after their last
         iteration was their end, not a stall: unobserved; a next session of the job
         counts it as the restart's)."""
         ledger, window_start, healthy_ns = self._session(end_ns, fail_slow, stragglers,
                                                          hung, exited)
-        out = {**ledger.to_dict(), "from": _window_from(window_start, self.attach_ns,
-                                                        self.process_start_ns),
-               "last_end_mono_ns": self.last_end_ns}
-        if self.previous is not None:
-            out["job"] = self._job(ledger, window_start, first_job_iteration,
-                                   healthy_ns).to_dict()
-        return out
+        job = (self._job(ledger, window_start, first_job_iteration, healthy_ns).figures()
+               if self.previous is not None else None)
+        return GoodputFigures(
+            **ledger._figures(),
+            window_from=_window_from(window_start, self.attach_ns, self.process_start_ns),
+            last_job_iteration=last_job_iteration, last_end_ns=self.last_end_ns, job=job)
 
     def _session(self, end_ns: int, fail_slow: Sequence[FailSlowEvent],
                  stragglers: Sequence[StragglerEpisode], hung: bool,
@@ -447,7 +469,8 @@ def _top_phase(event: FailSlowEvent) -> str | None:
     return event.phases[0].phase if event.phases else None
 
 
-def _window_from(start: int, attach_ns: int, process_start_ns: int | None) -> str:
+def _window_from(start: int, attach_ns: int, process_start_ns: int | None
+                 ) -> Literal["process_start", "attach", "previous_session"]:
     """``from``: what the window starts at."""
     if start == attach_ns:
         return "attach"

@@ -8,9 +8,10 @@ number is told apart from a blind one.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from perfmon.parsers.figures import finite
+from perfmon.parsers.figures import HangEpisode, finite
 from perfmon.parsers.pyspy import (
     DUMP_MAX_BYTES,
     KEEP_FRAMES,
@@ -139,20 +140,23 @@ class Hangs:
 
     def __init__(self, wall_time: Callable[[int], str]) -> None:
         self.wall_time = wall_time
-        self.hangs: list[dict[str, Any]] = []
+        self.hangs: list[HangEpisode] = []
 
     def on_hang(self, record: dict[str, Any]) -> None:
-        fields = {k: v for k, v in record.items() if k != "type"}
-        self.hangs.append({**fields, "timestamp": self.wall_time(record["t_mono_ns"]),
-                           "recovered_at": None})
+        self.hangs.append(HangEpisode(
+            t_ns=record["t_mono_ns"], timestamp=self.wall_time(record["t_mono_ns"]),
+            last_iteration_ns=record["last_iteration_mono_ns"],
+            threshold_s=record["threshold_s"], frame=record["frame"],
+            report=record["report"], phase=record.get("phase")))
 
     def on_recovered(self, record: dict[str, Any]) -> None:
         if self.hangs:
-            self.hangs[-1]["recovered_at"] = self.wall_time(record["t_mono_ns"])
+            self.hangs[-1] = replace(self.hangs[-1],
+                                     recovered_at=self.wall_time(record["t_mono_ns"]))
 
     @property
     def hung(self) -> bool:
-        return bool(self.hangs) and self.hangs[-1]["recovered_at"] is None
+        return bool(self.hangs) and self.hangs[-1].recovered_at is None
 
 
 def _count(value: object) -> int | None:

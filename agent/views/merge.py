@@ -50,7 +50,7 @@ from perfmon.agent.reducers.goodput import Ledger, combined, recorded_ledger
 from perfmon.agent.reducers.iterations import percentile
 from perfmon.agent.reducers.ranks import StragglerRule
 from perfmon.parsers.errors import InputFileError, PerfmonError
-from perfmon.parsers.figures import finite, mean
+from perfmon.parsers.figures import finite, mean, render
 
 MAX_DEPTH = 3
 MERGE_DESCRIPTION = ("Combine the perf summaries of one job written on several nodes (matched "
@@ -188,7 +188,7 @@ class Node:
             "mfu": self.stat("mfu"),
             "peak_memory_gb": max(peaks) if peaks else None,
             "stragglers": sum(len(st.get("stragglers") or []) for st in stats),
-            "goodput_ratio": ledger.to_dict()["ratio"] if (ledger := self.ledger()) else None,
+            "goodput_ratio": ledger.figures().ratio if (ledger := self.ledger()) else None,
             "fail_slow_events": sum(1 for st in stats for e in st.get("fail_slow") or []
                                     if isinstance(e, dict) and e.get("event") == "fail_slow"),
             "hung": any(bool(i.get("hung")) for i in infos),
@@ -283,7 +283,7 @@ def merge(runs: list[RecordedRun], job_id: str, refused: list[str] | None = None
             **_job_statistics(rows, logs),
             "nodes": rows,
             "slowest_node": _slowest(rows),
-            "goodput": (job_ledger.to_dict() if (job_ledger := combined(
+            "goodput": (render(job_ledger.figures()) if (job_ledger := combined(
                 [x for n in nodes.values() if (x := n.ledger()) is not None])) else None),
             "slow_host": slow_host(rows, [v for n in nodes.values()
                                            for v in n.rank_values("avg_step_time_ms")]),

@@ -174,11 +174,7 @@ def _state(job: RecordedRun, now_s: float) -> Text:
 
 def _goodput_ratio(stats: Statistics) -> float | None:
     """The job's goodput (across its sessions where it had several), else the session's."""
-    goodput = stats.goodput
-    if not isinstance(goodput, Mapping):
-        return None
-    job = goodput.get("job")
-    return finite((job if isinstance(job, Mapping) else goodput).get("ratio"))
+    return finite(stats.goodput.of_job.ratio) if stats.goodput is not None else None
 
 
 def _step_history(job: RecordedRun) -> list[float]:

@@ -20,6 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from perfmon.parsers.figures import (
     AS_IS,
+    LOSS_CAUSES,
+    Goodput,
+    GoodputLedger,
+    HangEpisode,
     IntervalFigures,
     RankFigures,
     Statistics,
@@ -30,15 +34,15 @@ from perfmon.parsers.figures import (
 ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = json.loads((ROOT / "parsers" / "data" / "perf_summary.schema.json").read_text())
 _PROPS = SCHEMA["properties"]
-PARTS: dict[type, dict[str, Any]] = {
-    Statistics: _PROPS["final_statistics"],
-    IntervalFigures: _PROPS["iteration_logs"]["items"],
-    RankFigures: _PROPS["final_statistics"]["properties"]["ranks"]["items"],
-}
-# Keys of a part the figures do not hold: none today (a key listed here is one the
-# summary has that no sink computes).
-NOT_FIGURES: dict[type, set[str]] = {Statistics: set(), IntervalFigures: set(),
-                                     RankFigures: set()}
+_GOODPUT = _PROPS["final_statistics"]["properties"]["goodput"]
+
+
+def _with_all_of(part: dict[str, Any]) -> dict[str, Any]:
+    """A part of the schema with the properties of what it is ``allOf`` merged in."""
+    props: dict[str, Any] = {}
+    for sub in part.get("allOf", []):
+        props.update(_resolve(sub)["properties"])
+    return {**part, "properties": {**props, **part.get("properties", {})}}
 
 
 def _resolve(prop: dict[str, Any]) -> dict[str, Any]:
@@ -46,6 +50,19 @@ def _resolve(prop: dict[str, Any]) -> dict[str, Any]:
         name = prop["$ref"].rsplit("/", 1)[1]
         prop = {**SCHEMA["$defs"][name], **{k: v for k, v in prop.items() if k != "$ref"}}
     return prop
+
+
+PARTS: dict[type, dict[str, Any]] = {
+    Statistics: _PROPS["final_statistics"],
+    IntervalFigures: _PROPS["iteration_logs"]["items"],
+    RankFigures: _PROPS["final_statistics"]["properties"]["ranks"]["items"],
+    GoodputLedger: SCHEMA["$defs"]["ledger"],
+    Goodput: _with_all_of(_GOODPUT),
+    HangEpisode: _PROPS["final_statistics"]["properties"]["hangs"]["items"],
+}
+# Keys of a part the figures do not hold: none today (a key listed here is one the
+# summary has that no sink computes).
+NOT_FIGURES: dict[type, set[str]] = {cls: set() for cls in PARTS}
 
 
 def _json_types(prop: dict[str, Any]) -> set[str]:
@@ -177,6 +194,20 @@ def test_an_interval_survives_render_the_schema_and_parse(figures: IntervalFigur
     assert ("kernels_per_iter" in shown) == figures.cuda
 
 
+_seconds = st.floats(0, 1e7, allow_nan=False)
+_by_cause = st.fixed_dictionaries({c: _seconds for c in LOSS_CAUSES})
+_ledger_fields = {
+    "ratio": st.one_of(st.none(), st.floats(0, 1)), "gpus": st.integers(1, 10**6),
+    "wall_s": _seconds, "productive_s": _seconds, "lost_s": _by_cause,
+    "gpu_hours": _seconds, "productive_gpu_hours": _seconds, "lost_gpu_hours": _by_cause,
+    "unobserved_s": _seconds, "unobserved_gpu_hours": _seconds}
+_goodputs = st.builds(
+    Goodput, **_ledger_fields,
+    window_from=st.sampled_from(["process_start", "attach", "previous_session"]),
+    last_job_iteration=_ints, last_end_ns=st.one_of(st.none(), st.integers(0, 2**62)),
+    job=st.one_of(st.none(), st.builds(GoodputLedger, **_ledger_fields)))
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.builds(Statistics, step_s=_numbers, flops_per_gpu=_numbers,
                  peak_memory_bytes=_numbers, gpu_utilization=st.one_of(
@@ -184,12 +215,32 @@ def test_an_interval_survives_render_the_schema_and_parse(figures: IntervalFigur
                  p99_step_s=_numbers, ranks=st.lists(_ranks, max_size=3).map(tuple),
                  measured_iterations=st.integers(0, 10**6),
                  memory_kind=st.sampled_from(["gpu", "rss"]),
-                 goodput=st.just(None)))
+                 goodput=st.one_of(st.none(), _goodputs),
+                 hangs=st.lists(st.builds(
+                     HangEpisode, t_ns=st.integers(0, 2**62),
+                     timestamp=st.just("2026-12-05T10:00:00+00:00"),
+                     last_iteration_ns=st.integers(0, 2**62),
+                     threshold_s=st.floats(0, 1e4), frame=st.text(max_size=20),
+                     report=st.text(max_size=20),
+                     phase=st.one_of(st.none(), st.sampled_from(["backward", "other"])),
+                     recovered_at=st.one_of(st.none(), st.just(
+                         "2026-12-05T10:01:00+00:00")))).map(tuple)))
 def test_statistics_survive_render_the_schema_and_parse(stats: Statistics) -> None:
     shown = render(stats)
-    del shown["goodput"]  # (the ledger's own schema: tests/unit/agent/reducers/test_goodput.py)
     jsonschema.validate(shown, {**PARTS[Statistics], "$defs": SCHEMA["$defs"]})
     assert _close(parse(Statistics, json.loads(json.dumps(shown))), stats)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_goodputs)
+def test_the_job_ledger_is_the_sessions_without_a_restart(goodput: Goodput) -> None:
+    """What the job's next session and Prometheus take: the job's ledger, else the
+    session's own figures (no window, no job)."""
+    ledger = goodput.of_job
+    assert type(ledger) is GoodputLedger
+    assert render(ledger) == (render(goodput.job) if goodput.job is not None else
+                              {k: v for k, v in render(goodput).items()
+                               if k not in ("from", "last_job_iteration", "last_end_mono_ns")})
 
 
 def test_units_are_converted_as_the_summary_shows_them() -> None:

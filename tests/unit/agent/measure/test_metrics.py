@@ -23,7 +23,14 @@ from perfmon.agent.measure.metrics import (
     MetricsAddressError,
     parse_address,
 )
-from perfmon.parsers.figures import FailSlowNow, IntervalFigures, RankFigures, Statistics
+from perfmon.parsers.figures import (
+    FailSlowNow,
+    Goodput,
+    GoodputLedger,
+    IntervalFigures,
+    RankFigures,
+    Statistics,
+)
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -78,9 +85,10 @@ def final_statistics(**changes: Any) -> Statistics:
         losses={("uprobes", "events_dropped"): 7.0, ("nvml", "missed_slots"): 0.0,
                 ("pyspy", "sampling_errors"): 3.0, ("iterations", "none_measured"): 0.0,
                 ("iterations", "ends_estimated"): 40.0},
-        goodput_ratio=0.8,
-        lost_s={"startup": 4.0, "hang": 10.0, "restart": 20.0, "straggler": 2.0,
-                "slowdown": 3.0, "data_stall": 0.0, "unexplained": 1.0},
+        # (the job's ledger: Prometheus shows it, not the session's)
+        goodput=Goodput(ratio=0.5, job=GoodputLedger(ratio=0.8, lost_s={
+            "startup": 4.0, "hang": 10.0, "restart": 20.0, "straggler": 2.0,
+            "slowdown": 3.0, "data_stall": 0.0, "unexplained": 1.0})),
         fail_slow_now=FailSlowNow(1.3, "forward"))
     return replace(stats, **changes)
 

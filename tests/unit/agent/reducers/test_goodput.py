@@ -64,8 +64,9 @@ class Stream:
                hung: bool = False, first_job_iteration: int | None = None,
                exited: bool = False) -> dict:
         self.failslow.resolve([], True)
-        return self.goodput.summary(end_ns or self.t, self.failslow.events,
-                                    stragglers or [], hung, first_job_iteration, exited=exited)
+        return render(self.goodput.summary(end_ns or self.t, self.failslow.events,
+                                           stragglers or [], hung, first_job_iteration,
+                                           exited=exited))
 
 
 def _adds_up(ledger: dict) -> None:
@@ -199,9 +200,9 @@ def test_a_hosts_sessions_and_the_jobs_hosts_add_up_in_gpu_seconds():
     job = combined([a, b])
     assert job is not None and job.gpus == 12
     # GPU-seconds: 8 x 170 + 4 x 100 productive of 8 x 200 + 4 x 200.
-    assert job.to_dict()["ratio"] == pytest.approx((8 * 170 + 4 * 100) / (12 * 200))
+    assert job.figures().ratio == pytest.approx((8 * 170 + 4 * 100) / (12 * 200))
     assert job.lost_s["hang"] == pytest.approx((8 * 5 + 4 * 80) / 12)
-    assert job.to_dict()["lost_gpu_hours"]["hang"] == pytest.approx((8 * 5 + 4 * 80) / 3600,
+    assert job.figures().lost_gpu_hours["hang"] == pytest.approx((8 * 5 + 4 * 80) / 3600,
                                                                     abs=1e-6)
 
 
@@ -260,7 +261,7 @@ def test_attached_to_a_job_in_its_start_up_lost_time_starts_at_the_attach():
 def test_a_process_the_previous_session_watched_starts_the_window_at_its_end():
     # The node service's second session of the same process (it yielded its slot, or
     # new ranks came): the first session counted the time up to its end.
-    before = {"ledger": Ledger(100, 90, gpus=8).to_dict(), "end_mono_ns": -50 * S}
+    before = {"ledger": render(Ledger(100, 90, gpus=8).figures()), "end_mono_ns": -50 * S}
     s = Stream(attach_ns=0, process_start_ns=-3600 * S, previous=before)
     s.first(30 * S)
     s.steps(60, 100)
@@ -275,15 +276,15 @@ def test_unobserved_time_adds_up_beside_the_wall_time_never_into_the_ratio():
     seen = Ledger(100, 80, gpus=8)
     seen.lost_s["unexplained"] = 20
     unseen = Ledger(gpus=4, unobserved_s=50)
-    assert Ledger.from_dict(unseen.to_dict()) == unseen
-    assert Ledger.from_dict(seen.to_dict()).unobserved_s == 0  # (and older ledgers: none)
-    assert unseen.to_dict()["ratio"] is None
-    total = recorded_ledger([unseen.to_dict(), seen.to_dict()])
-    assert total is not None and total.to_dict()["ratio"] == 0.8
+    assert Ledger.from_dict(render(unseen.figures())) == unseen
+    assert Ledger.from_dict(render(seen.figures())).unobserved_s == 0  # (and older ledgers: none)
+    assert render(unseen.figures())["ratio"] is None
+    total = recorded_ledger([render(unseen.figures()), render(seen.figures())])
+    assert total is not None and total.figures().ratio == 0.8
     assert total.unobserved_s == 50 and total.wall_s == 100
     job = combined([seen, unseen])
     # (GPU-seconds: 8 x 80 productive of 8 x 100 observed; the 4 x 50 unseen beside them)
-    assert job is not None and job.to_dict()["ratio"] == pytest.approx(0.8)
+    assert job is not None and job.figures().ratio == pytest.approx(0.8)
     assert job.unobserved_s == pytest.approx(50 * 4 / 12)
 
 
@@ -380,7 +381,7 @@ def _ledger_of(case: Case) -> dict[str, Any]:
     if case.previous_end_ns is not None:
         earlier = Ledger(60, 50, gpus=2)
         earlier.lost_s["hang"] = 10
-        previous = {"ledger": earlier.to_dict(), "end_mono_ns": case.previous_end_ns}
+        previous = {"ledger": render(earlier.figures()), "end_mono_ns": case.previous_end_ns}
     g = Goodput(case.attach_ns, case.process_start_ns, 2, previous,
                 attach_only=case.attach_only)
     if case.first_end_ns is not None:
@@ -388,7 +389,7 @@ def _ledger_of(case: Case) -> dict[str, Any]:
         healthy = float(case.step_ns) if case.baseline else None
         for k in range(1, case.iterations + 1):
             g.on_iteration(case.first_end_ns + k * case.step_ns, case.step_ns, healthy)
-    return g.summary(case.end_ns, [], [], False)
+    return render(g.summary(case.end_ns, [], [], False))
 
 
 @settings(max_examples=400, deadline=None)
