@@ -141,7 +141,7 @@ class TracefsMarkerProbe(Source):
 
     def __init__(self, targets: list[TargetProcess],
                  step_kinds: tuple[str, ...] = DEFAULT_STEP_KINDS, *,
-                 raw_waits: bool = False, microbatches: int | None = None) -> None:
+                 microbatches: int | None = None) -> None:
         super().__init__()
         self._prefixes = step_prefixes(step_kinds)
         self.targets = targets
@@ -162,7 +162,7 @@ class TracefsMarkerProbe(Source):
         self._waits = WaitAccount()  # collective waits, one record a step (probes.waits)
         self._waits_probed: set[int] = set()
         self.waits_on = True
-        self.raw_waits = raw_waits
+        self.raw_waits = False  # (set_raw_waits)
 
     @property
     def instance_name(self) -> str | None:

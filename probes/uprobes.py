@@ -277,7 +277,7 @@ class MarkerProbe(Source):
 
     def __init__(self, targets: list[TargetProcess], ring_pages: int = DEFAULT_RING_PAGES,
                  step_kinds: tuple[str, ...] = DEFAULT_STEP_KINDS, *,
-                 raw_waits: bool = False, microbatches: int | None = None) -> None:
+                 microbatches: int | None = None) -> None:
         super().__init__()
         self.step_kinds = step_kinds
         if ring_pages < 1 or ring_pages & (ring_pages - 1):
@@ -299,7 +299,7 @@ class MarkerProbe(Source):
         self._grad_points: dict[int, tuple[bytes, int]] = {}  # pid -> (library, address)
         self.updates = UpdateAccount(microbatches)
         self.waits_on = True
-        self.raw_waits = raw_waits
+        self.raw_waits = False  # (set_raw_waits)
 
     def _start(self) -> None:
         check_ebpf_prerequisites()
@@ -312,7 +312,6 @@ class MarkerProbe(Source):
                 "iterations.bpf.c",
                 [f"-DNAME_LEN={NAME_LEN_BYTES}", f"-DRING_PAGES={self.ring_pages}"],
                 self.step_kinds)
-            # Before the probes: raw waits, when asked for, from the first one on.
             self._bpf[b"raw_waits"][ctypes.c_int(0)] = ctypes.c_uint32(int(self.raw_waits))
             for target in self.targets:
                 self._attach(target, *symbols[target.pid])

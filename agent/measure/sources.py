@@ -96,13 +96,14 @@ def open_iteration_source(options: AttachOptions, targets: list[TargetProcess],
         cls, check = BACKENDS[name]
         try:
             check()
-            raw = options.raw_markers
+            # (raw waits, when asked for, switch on at the window's first poll: the
+            # sources set up after this one (their compiles: ~1-2 s) would leave a
+            # hundred a step of a tensor-parallel job in the ring buffer, overflowing it)
             micro = options.microbatches
-            probe: MarkerSource = (MarkerProbe(targets, options.ring_pages, raw_waits=raw,
+            probe: MarkerSource = (MarkerProbe(targets, options.ring_pages,
                                                microbatches=micro)
                                    if cls is MarkerProbe
-                                   else TracefsMarkerProbe(targets, raw_waits=raw,
-                                                           microbatches=micro))
+                                   else TracefsMarkerProbe(targets, microbatches=micro))
             started(stack, probe, warn)
         except UNAVAILABLE as err:
             failures.append((name, err))

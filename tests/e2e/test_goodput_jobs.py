@@ -398,7 +398,9 @@ def test_attached_to_a_stalled_job_its_lost_time_starts_at_the_attach(
     first_end = min(t for _, t in job.timestamps() if t > attach)
     assert first_end - attach > 2e9, "the stall was over before the attach"
     assert info["started_by"] == "attach"
-    assert info["process_start_monotonic_ns"] < attach - 3e9  # (an older process)
+    # (an older process: a start-up from its start would be off by more than the 0.3 s
+    # allowed below)
+    assert info["process_start_monotonic_ns"] < attach - 1e9
     _adds_up(ledger)
     assert ledger["from"] == "attach"
     # The job's own clock: seen from the attach to its last iteration's end (the one

@@ -197,7 +197,7 @@ def test_another_users_process_with_the_run_id_never_joins_ends_or_fails_the_job
 def test_another_users_process_with_the_master_address_never_joins_or_fails_the_job(
         service: Service, alice: UserJobs, bob: UserJobs) -> None:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    ranks = [alice.python("--train-iters", "300", env={**env, "RANK": str(r)})
+    ranks = [alice.python("--train-iters", "600", env={**env, "RANK": str(r)})
              for r in (0, 1)]
     folder = wait_for(lambda: next((f for f in folders_of(service, alice.user)
                                     if sorted(r["pid"] for r in record(f).get("ranks") or [])
