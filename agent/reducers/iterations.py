@@ -270,7 +270,14 @@ class JobNumbering:
         early in one (which can race the job's increment), else the middle of the
         intersected bounds. iteration_logs entries take the offset known when the
         summary is written (Summarizer), so a later, better read renumbers them all.
+        Never below 0: a job's count below ours since the attach is ours splitting its
+        updates (counter_disagrees says so) or a counter from 0, and the job's iterations
+        are numbered from 1.
         """
+        found = self._best()
+        return max(found, 0) if found is not None else None
+
+    def _best(self) -> int | None:
         for offsets in (self._offsets, self._early):
             if offsets:
                 return max(set(offsets), key=offsets.count)

@@ -65,3 +65,18 @@ def test_a_counter_that_disagrees_with_the_optimizer_marker_is_no_loss():
             clock.on_row(k * period, 2, how)
         clock.job.resolve(None)
         assert (clock.quality()["counter_disagrees"] > 0) == expected
+
+
+def test_a_counter_below_our_count_numbers_nothing_below_one():
+    """Our count split the job's updates (gradients read between micro-batches): the
+    job's counter reads fewer than we counted, an offset below 0, which would number
+    our first iterations 0 or less; the numbering starts at 1 (the split is a loss)."""
+    period = 10_000_000
+    clock = IterationClock(Workload(), PID, 0)
+    for k in range(1, 41):
+        clock.on_row(k * period, 1, "grad_read")
+    clock.job.on_read({"t_mono_ns": 40 * period + period * 3 // 4,
+                       "end_mono_ns": 40 * period + period * 3 // 4 + 1000, "value": 20,
+                       "name": "iteration"})
+    clock.job.resolve(None)
+    assert clock.job.offset == 0
