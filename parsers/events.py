@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from perfmon.parsers.step_rows import (
-    STEP_COLUMNS,
     StepBlock,
     block_of,
     encode_block,
@@ -37,7 +36,12 @@ MARKER_KINDS = (
     "wait_enter",
     "wait_exit",
     "grad_read",
+    "p2p_wait_enter",  # a wait on a point-to-point send or receive
+    "p2p_wait_exit",
 )
+# The markers of a wait's entry and return (collective, point-to-point): logged only
+# while asked for, the totals (``waits``) hold them.
+WAIT_MARKERS = ("wait_enter", "wait_exit", "p2p_wait_enter", "p2p_wait_exit")
 
 
 @dataclass(frozen=True)
@@ -75,10 +79,11 @@ class LogPart(Record):
 
 @dataclass(frozen=True)
 class WaitTotals(Record):
-    """A rank's time blocked on collectives so far (cumulative), at an Optimizer.step
-    (or an update's first gradient read, ``grad_read``): the sum over its threads of
-    each one's waits (nested calls once; the stepping thread's open wait ends at the
-    step), and how many ended. Counted in the kernel
+    """A rank's time blocked on its process group so far (cumulative), at an
+    Optimizer.step (or an update's first gradient read, ``grad_read``): the sum over its
+    threads of each one's waits (nested calls once; the stepping thread's open wait ends
+    at the step), and how many ended; of them, those on point-to-point sends and
+    receives (``p2p_*``: a pipeline's). Counted in the kernel
     (bcc) or by the probe (tracefs), once a step, not every wait's entry and return
     (those are ``wait_*`` markers, only when asked for); the session folds them into the
     rank's ``steps`` row (older logs hold them as records)."""
@@ -87,6 +92,8 @@ class WaitTotals(Record):
     pid: int
     wait_ns: int
     waits: int
+    p2p_wait_ns: int = 0
+    p2p_waits: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,11 @@ class Steps(Record):
     ``backward_to_ns`` (the first backward() entry and last return since the previous
     end, else the end), relative to ``t_mono_ns``, and ``backward_ns`` (the time in it);
     ``micro`` (backward() calls, -1: none ever); ``wait_ns`` and ``waits`` (blocked on
-    collectives since the previous end, how many ended; ``waits`` -1: not probed in that
-    iteration, the wait probes being sampled); ``how`` (index into ``hows``:
+    the process group since the previous end, how many ended; ``waits`` -1: not probed
+    in that iteration, the wait probes being sampled), ``p2p_wait_ns`` (of that wait, on
+    point-to-point sends and receives; absent where none in the block, and in an older
+    agent's log: zeros); ``how``
+    (index into ``hows``:
     uprobe (the Optimizer.step marker), grad_read (an update's first gradient read) or
     py-spy's estimator). A rank's first row after attach only opens its window."""
 
@@ -110,15 +120,15 @@ class Steps(Record):
     @classmethod
     def encode(cls, t_mono_ns: int, rows: list[tuple[int, ...]], hows: list[str]) -> Steps:
         """The record of ``rows`` (tuples in STEP_COLUMNS order, absolute times)."""
-        return cls(t_mono_ns, list(STEP_COLUMNS),
-                   encode_block(t_mono_ns, block_of(rows, hows)), hows)
+        return cls.of_block(block_of(rows, hows), t_mono_ns)
 
     @classmethod
-    def of_block(cls, block: StepBlock) -> Steps:
-        """The record of a block of rows (at its first end)."""
-        t_mono_ns = int(block.end_ns.min())
-        return cls(t_mono_ns, list(STEP_COLUMNS), encode_block(t_mono_ns, block),
-                   list(block.hows))
+    def of_block(cls, block: StepBlock, t_mono_ns: int | None = None) -> Steps:
+        """The record of a block of rows (at ``t_mono_ns``, else its first end)."""
+        if t_mono_ns is None:
+            t_mono_ns = int(block.end_ns.min())
+        columns, rows = encode_block(t_mono_ns, block)
+        return cls(t_mono_ns, columns, rows, list(block.hows))
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,11 @@ import numpy as np
 
 # The int64 columns of a ``steps`` record, in this order (a newer agent may add more).
 # ``waits`` -1: the wait probes were off for that iteration (sampled; ``wait_ns`` 0).
+# ``p2p_wait_ns``: of ``wait_ns``, the wait on point-to-point sends and receives (a
+# pipeline's); an older agent's log lacks it (OPTIONAL_COLUMNS: zeros).
 STEP_COLUMNS = ("pid", "end_ns", "micro", "wait_ns", "waits", "how", "backward_ns",
-                "backward_from_ns", "backward_to_ns")
+                "backward_from_ns", "backward_to_ns", "p2p_wait_ns")
+OPTIONAL_COLUMNS = ("p2p_wait_ns",)
 _TIMES = ("end_ns", "backward_from_ns", "backward_to_ns")
 MAX_STEP_HOWS = 16
 
@@ -35,6 +38,7 @@ class StepBlock:
     backward_ns: np.ndarray
     backward_from_ns: np.ndarray
     backward_to_ns: np.ndarray
+    p2p_wait_ns: np.ndarray
     hows: tuple[str, ...]
 
     def __len__(self) -> int:
@@ -52,17 +56,24 @@ def block_of(rows: list[tuple[int, ...]], hows: list[str]) -> StepBlock:
     return StepBlock(**dict(zip(STEP_COLUMNS, table, strict=True)), hows=tuple(hows))
 
 
-def encode_block(t_mono_ns: int, block: StepBlock) -> bytes:
-    """The ``rows`` of the ``steps`` record of ``block`` (times relative to ``t_mono_ns``)."""
-    return np.stack([getattr(block, name) - t_mono_ns if name in _TIMES
-                     else getattr(block, name) for name in STEP_COLUMNS]).astype("<i8").tobytes()
+def encode_block(t_mono_ns: int, block: StepBlock) -> tuple[list[str], bytes]:
+    """The ``columns`` and ``rows`` of the ``steps`` record of ``block`` (times relative
+    to ``t_mono_ns``); an optional column that is all zeros is left out (most jobs have
+    no point-to-point waits: their log stays as small as before)."""
+    columns = [name for name in STEP_COLUMNS
+               if name not in OPTIONAL_COLUMNS or getattr(block, name).any()]
+    return columns, np.stack([getattr(block, name) - t_mono_ns if name in _TIMES
+                              else getattr(block, name) for name in columns]
+                             ).astype("<i8").tobytes()
 
 
 def decode_steps(record: dict[str, Any]) -> StepBlock:
     """The columns of a well-formed ``steps`` record (record_problem said None)."""
     columns = list(record["columns"])
     table = np.frombuffer(record["rows"], dtype="<i8").reshape(len(columns), -1)
-    named = {name: table[columns.index(name)] for name in STEP_COLUMNS}
+    zeros = np.zeros(table.shape[1], dtype=np.int64)
+    named = {name: table[columns.index(name)] if name in columns else zeros
+             for name in STEP_COLUMNS}
     t = record["t_mono_ns"]
     for name in _TIMES:
         named[name] = named[name] + t
@@ -73,7 +84,7 @@ def steps_problem(record: dict[str, Any]) -> str | None:
     """Why a ``steps`` record's columns are not as STEP_COLUMNS says, or None."""
     columns, rows, hows = record["columns"], record["rows"], record["hows"]
     if (not all(type(c) is str for c in columns) or len(set(columns)) != len(columns)
-            or not set(STEP_COLUMNS) <= set(columns)):
+            or not set(STEP_COLUMNS) - set(OPTIONAL_COLUMNS) <= set(columns)):
         return "steps record without its columns"
     if not rows or len(rows) % (8 * len(columns)):
         return "steps record whose rows do not fill its columns"
@@ -86,6 +97,7 @@ def steps_problem(record: dict[str, Any]) -> str | None:
     t = record["t_mono_ns"]
     # (times stay within int64 once made absolute)
     if (low["micro"] < -1 or low["wait_ns"] < 0 or low["waits"] < -1
+            or low.get("p2p_wait_ns", 0) < 0
             or low["backward_ns"] < 0 or low["how"] < 0 or high["how"] >= len(hows)
             or not all(-(1 << 62) < low[name] + t and high[name] + t < 1 << 62
                        for name in _TIMES)):

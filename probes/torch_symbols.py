@@ -12,6 +12,8 @@ naming the process and the library.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from perfmon.parsers import procfs
 from perfmon.parsers.elf_symbols import (
     ElfError,
@@ -21,6 +23,7 @@ from perfmon.parsers.elf_symbols import (
     load_segments,
 )
 from perfmon.parsers.procfs import MappedFile
+from perfmon.parsers.wait_symbols import C10D_PREFIX, WaitPoint, wait_point
 from perfmon.probes.errors import NoSuchProcess, PrivilegeError, SymbolNotFound
 from perfmon.probes.files import MappedLibrary, PathRefused
 from perfmon.probes.procfs import TargetProcess, read_proc
@@ -38,15 +41,15 @@ ENGINE_EXECUTE_SYMBOL = "_ZN5torch8autograd6Engine7executeE"
 # leave nothing (iterations.bpf.c), so one event an update leaves the kernel.
 GRAD_READ_SYMBOL = "_ZNK3c1010TensorImpl4gradEv"
 C10_LIBRARY_PREFIX = "libc10."  # (not libc10_cuda)
-# Where a rank blocks on a collective, for gloo and NCCL process groups alike:
-# c10d::Work::wait (an explicit ``work.wait()``, synchronous collectives, gloo's
-# async work) and DDP's Reducer::finalize_backward (waits for every bucket's
-# all-reduce at the end of backward, through futures whose wait is inlined).
-# Nested calls count once (the reducer keeps a depth per thread).
-COLLECTIVE_WAIT_SYMBOLS = (
-    "_ZN4c10d4Work4waitE",
-    "_ZN4c10d7Reducer17finalize_backwardEv",
-)
+
+
+@dataclass(frozen=True)
+class WaitSymbol:
+    """A function where a rank blocks on its process group (perfmon.parsers.wait_symbols:
+    every work object's wait in the library, DDP's finalize_backward), and what it is."""
+
+    symbol: ElfSymbol
+    point: WaitPoint
 
 
 def _open_mapped(target: TargetProcess, mapping: MappedFile, path: str) -> MappedLibrary:
@@ -92,16 +95,17 @@ def find_grad_read(target: TargetProcess) -> tuple[MappedLibrary, ElfSymbol]:
 
 
 def find_torch_symbols(target: TargetProcess, library: MappedLibrary
-                       ) -> tuple[list[ElfSymbol], list[ElfSymbol], list[ElfSymbol]]:
-    """(record_function entry symbols, Engine::execute symbols, collective wait symbols)
-    in the target's libtorch_cpu.
+                       ) -> tuple[list[ElfSymbol], list[ElfSymbol], list[WaitSymbol]]:
+    """(record_function entry symbols, Engine::execute symbols, the wait points) in the
+    target's libtorch_cpu: every c10d function it exports that is a work object's wait
+    (or DDP's finalize_backward), each at one address.
 
     Raises SymbolNotFound when the library cannot be read or has no
     record_function entry point; the others may be absent ([]).
     """
     try:
         found = find_function_symbols(
-            library, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, *COLLECTIVE_WAIT_SYMBOLS))
+            library, (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, C10D_PREFIX))
     except (OSError, ValueError, ElfError) as err:
         raise _unreadable(target, err) from err
     record: list[ElfSymbol] = next((found[p] for p in RECORD_FUNCTION_SYMBOLS if found[p]), [])
@@ -111,22 +115,27 @@ def find_torch_symbols(target: TargetProcess, library: MappedLibrary
             "torch::autograd::profiler::record_function_enter_new or record_function_enter "
             "(a PyTorch older than 1.8, or a build with hidden symbols)"
         )
-    return (record, found[ENGINE_EXECUTE_SYMBOL],
-            [s for p in COLLECTIVE_WAIT_SYMBOLS for s in found[p]])
+    waits: dict[int, WaitSymbol] = {}  # (an address once: aliases of one function)
+    for sym in found[C10D_PREFIX]:
+        point = wait_point(sym.name)
+        if point is not None:
+            waits.setdefault(sym.address, WaitSymbol(sym, point))
+    return record, found[ENGINE_EXECUTE_SYMBOL], list(waits.values())
 
 
 def find_torch_offsets(target: TargetProcess, library: MappedLibrary
-                       ) -> tuple[list[int], list[int], list[int]]:
+                       ) -> tuple[list[int], list[int], list[tuple[int, WaitPoint]]]:
     """The symbols of :func:`find_torch_symbols` as file offsets in the library, as
-    tracefs' ``uprobe_events`` wants them. Raises SymbolNotFound as it does."""
-    symbols = find_torch_symbols(target, library)
+    tracefs' ``uprobe_events`` wants them (each wait's with its point). Raises
+    SymbolNotFound as it does."""
+    record, engine, waits = find_torch_symbols(target, library)
     try:
         segments = load_segments(library)
-        record, engine, wait = ([file_offset(segments, s.address) for s in group]
-                                for group in symbols)
+        return ([file_offset(segments, s.address) for s in record],
+                [file_offset(segments, s.address) for s in engine],
+                [(file_offset(segments, w.symbol.address), w.point) for w in waits])
     except (OSError, ValueError, ElfError) as err:
         raise _unreadable(target, err) from err
-    return record, engine, wait
 
 
 def _unreadable(target: TargetProcess, err: Exception) -> SymbolNotFound:

@@ -51,7 +51,7 @@ import os
 import time
 from typing import Any
 
-from perfmon.parsers.events import Marker, Record
+from perfmon.parsers.events import WAIT_MARKERS, Marker, Record
 from perfmon.parsers.procfs import CAP_SYS_ADMIN, CAP_SYS_PTRACE, missing_capabilities
 from perfmon.parsers.trace_pipe import (
     classify_step_name,
@@ -59,6 +59,7 @@ from perfmon.parsers.trace_pipe import (
     parse_trace_line,
     step_name_filter,
 )
+from perfmon.parsers.wait_symbols import WaitPoint
 from perfmon.probes.errors import (
     NoSuchProcess,
     PrerequisiteMissing,
@@ -161,6 +162,7 @@ class TracefsMarkerProbe(Source):
         self._owner_pid = os.getpid()
         self._waits = WaitAccount()  # collective waits, one record a step (probes.waits)
         self._waits_probed: set[int] = set()
+        self.wait_points: dict[int, list[WaitPoint]] = {}  # pid -> its wait points probed
         self.waits_on = True
         self.raw_waits = False  # (set_raw_waits)
 
@@ -189,12 +191,12 @@ class TracefsMarkerProbe(Source):
             raise
 
     def _open_libraries(self) -> list[tuple[MappedLibrary, TargetProcess, list[int],
-                                            list[int], list[int]]]:
+                                            list[int], list[tuple[int, WaitPoint]]]]:
         """Each target's libtorch_cpu held open, and the probe offsets of each distinct
         file: targets that mapped the same inode share its events (a tracefs uprobe
         fires in every process mapping it, so one event per file, not per target)."""
-        points: dict[tuple[int, int],
-                     tuple[MappedLibrary, TargetProcess, list[int], list[int], list[int]]]
+        points: dict[tuple[int, int], tuple[MappedLibrary, TargetProcess, list[int],
+                                            list[int], list[tuple[int, WaitPoint]]]]
         points = {}
         for target in self.targets:
             library = open_torch_library(target)
@@ -262,7 +264,8 @@ class TracefsMarkerProbe(Source):
             written |= tids
 
     def _define(self, library: MappedLibrary, target: TargetProcess,
-                record: list[int], engine: list[int], wait: list[int]) -> None:
+                record: list[int], engine: list[int], wait: list[tuple[int, WaitPoint]]
+                ) -> None:
         # /proc/self/fd/N names the very inode the job mapped: the kernel resolves
         # the path during our write, in the agent's context, and keeps the inode.
         path = library.probe_path
@@ -273,8 +276,10 @@ class TracefsMarkerProbe(Source):
                             f"p:{self.group}/{name} {path}:{offset:#x} name={fetch}")
         for offset in engine:
             self._add_entry_and_return(target, f"{path}:{offset:#x}", "bw", "backward")
-        for offset in wait:
-            self._add_entry_and_return(target, f"{path}:{offset:#x}", "wait", "wait")
+        for offset, point in wait:
+            self._add_entry_and_return(target, f"{path}:{offset:#x}", "wait",
+                                       "p2p_wait" if point.kind == "p2p" else "wait")
+        self.wait_points[target.pid] = [point for _, point in wait]
 
     def _add_entry_and_return(self, target: TargetProcess, place: str, stem: str,
                               kind: str) -> None:
@@ -327,7 +332,11 @@ class TracefsMarkerProbe(Source):
 
     def quality(self) -> dict[str, Any]:
         return {"events": self.events, "events_dropped": self.dropped,
-                **self.updates.quality()}
+                **self.updates.quality(),
+                # (ranks of a distributed job: a lone process has no process group)
+                "ranks_without_wait_probes": sum(
+                    1 for t in self.targets
+                    if t.rank is not None and self.wait_points.get(t.pid) == [])}
 
     def _poll(self) -> list[Record]:
         if self._trace is None or not self._trace.reading:
@@ -398,7 +407,7 @@ class TracefsMarkerProbe(Source):
         if self._trace is None or on == self.waits_on:
             return
         for name, kind in self._kinds.items():
-            if kind in ("wait_enter", "wait_exit"):
+            if kind in WAIT_MARKERS:
                 try:
                     self._trace.enable(self.group, name, on)
                 except OSError as err:

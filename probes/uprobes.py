@@ -7,11 +7,11 @@ in a ``record_function`` block, whose C++ entry point we probe) and of every
 first gradient read after a backward pass (``c10::TensorImpl::grad`` in libc10,
 ``grad_read``: the update of a job without torch.optim's marker, probed only until
 the process shows that marker), and
-the time blocked in the c10d calls that wait on a collective
-(:mod:`perfmon.probes.torch_symbols`' ``COLLECTIVE_WAIT_SYMBOLS``): accounted in the
-kernel and carried by each step's event (a ``waits`` record), with each entry and
-return as ``wait_enter`` / ``wait_exit`` markers only while ``set_raw_waits`` asks
-for them.
+the time blocked in the c10d calls that wait on the process group (every work
+object's wait the library exports, perfmon.parsers.wait_symbols; point-to-point sends'
+and receives' apart): accounted in the kernel and carried by each step's event (a
+``waits`` record), with each entry and return as ``wait_enter`` / ``wait_exit``
+(``p2p_wait_*``) markers only while ``set_raw_waits`` asks for them.
 
 Cost: one uprobe trap per ``record_function`` entry, per ``backward()`` and per
 collective wait in the target (a few microseconds each); what leaves the kernel is
@@ -45,6 +45,7 @@ from perfmon.parsers.procfs import (
     CAP_SYS_PTRACE,
     missing_capabilities,
 )
+from perfmon.parsers.wait_symbols import WaitPoint
 from perfmon.probes.errors import (
     PrerequisiteMissing,
     PrivilegeError,
@@ -57,6 +58,7 @@ from perfmon.probes.procfs import TargetProcess, agent_capabilities
 from perfmon.probes.sampler import Source
 from perfmon.probes.torch_symbols import (
     GRAD_READ_SYMBOL,
+    WaitSymbol,
     find_grad_read,
     find_torch_symbols,
     open_torch_library,
@@ -80,7 +82,8 @@ NAME_LEN_BYTES = 64
 # struct event_t of iterations.bpf.c, field by field up to its name (which follows:
 # NAME_LEN_BYTES). tests/unit/probes/test_ring_record_layout.py holds it to the C.
 EVENT_HEAD_FIELDS = (("t_mono_ns", "Q"), ("pid", "I"), ("tid", "I"), ("kind", "I"),
-                     ("_pad", "4x"), ("wait_ns", "Q"), ("waits", "Q"))
+                     ("_pad", "4x"), ("wait_ns", "Q"), ("waits", "Q"),
+                     ("p2p_wait_ns", "Q"), ("p2p_waits", "Q"))
 EVENT_HEAD = struct.Struct("<" + "".join(code for _, code in EVENT_HEAD_FIELDS))
 _OPTIMIZER_STEP = MARKER_KINDS.index("optimizer_step") + 1
 _UPDATE_ENDS = (_OPTIMIZER_STEP, MARKER_KINDS.index("grad_read") + 1)
@@ -291,7 +294,9 @@ class MarkerProbe(Source):
         self._libraries: dict[int, MappedLibrary] = {}
         self._c10_libraries: dict[int, MappedLibrary] = {}
         self._waits_probed: set[int] = set()  # pids whose collective waits are accounted
-        self._wait_points: list[tuple[bytes, int, int]] = []  # (library, address, pid)
+        # (library, address, pid, p2p) of each wait point attached
+        self._wait_points: list[tuple[bytes, int, int, bool]] = []
+        self.wait_points: dict[int, list[WaitPoint]] = {}  # pid -> its wait points probed
         self._wait_events: set[bytes] = set()  # bcc's names of the attached wait probes
         # pid -> bcc's names of its gradient-read probe, while it has shown no
         # Optimizer.step (the exact marker: then it is detached, costing nothing more)
@@ -321,7 +326,7 @@ class MarkerProbe(Source):
         self._bpf[b"events"].open_ring_buffer(self._on_event)
 
     def _attach(self, target: TargetProcess, record: list[ElfSymbol], engine: list[ElfSymbol],
-                wait: list[ElfSymbol]) -> None:
+                wait: list[WaitSymbol]) -> None:
         # By the addresses read here (perfmon.parsers.elf_symbols, bounded), never by
         # name: bcc would resolve a name by reading the library's symbol tables whole,
         # .symtab included, which a job's crafted library can make gigabytes.
@@ -352,7 +357,8 @@ class MarkerProbe(Source):
             self._attach_grad_read(target)
         if wait:
             self._waits_probed.add(target.pid)
-        points = [(lib, sym.address, target.pid) for sym in wait]
+        self.wait_points[target.pid] = [w.point for w in wait]
+        points = [(lib, w.symbol.address, target.pid, w.point.kind == "p2p") for w in wait]
         self._wait_points += points
         self._attach_waits(points)
 
@@ -412,18 +418,21 @@ class MarkerProbe(Source):
             bcc_lib.bpf_close_perf_event_fd(self._bpf.uprobe_fds[ev_name])
             self._bpf._del_uprobe_fd(ev_name)
 
-    def _attach_waits(self, points: list[tuple[bytes, int, int]], again: bool = False) -> None:
+    def _attach_waits(self, points: list[tuple[bytes, int, int, bool]],
+                      again: bool = False) -> None:
         """``again``: attached once already (sampled waits); a rank that exited since
         is passed over (and forgotten), not an error of the session."""
         before = set(self._bpf.uprobe_fds)
         gone = set()
-        for lib, addr, pid in points:
+        for lib, addr, pid, p2p in points:
+            stem = b"on_p2p_wait" if p2p else b"on_wait"
             try:
                 # Return first: a call entered between the two attaches then shows only
                 # its exit (ignored), never an entry without an exit.
-                self._bpf.attach_uretprobe(name=lib, addr=addr, fn_name=b"on_wait_exit",
+                self._bpf.attach_uretprobe(name=lib, addr=addr, fn_name=stem + b"_exit",
                                            pid=pid)
-                self._bpf.attach_uprobe(name=lib, addr=addr, fn_name=b"on_wait_enter", pid=pid)
+                self._bpf.attach_uprobe(name=lib, addr=addr, fn_name=stem + b"_enter",
+                                        pid=pid)
             except Exception:  # bcc raises bare Exception on attach failure
                 if not again or _alive(pid):
                     raise
@@ -459,13 +468,13 @@ class MarkerProbe(Source):
         events: list[Record] = []
         stepped = set()
         for data in raw:
-            t, pid, tid, kind, wait_ns, waits = EVENT_HEAD.unpack_from(data)
+            t, pid, tid, kind, wait_ns, waits, p2p_ns, p2p_waits = EVENT_HEAD.unpack_from(data)
             name = data[EVENT_HEAD.size:].split(b"\0", 1)[0].decode("utf-8", "replace")
             if kind in _UPDATE_ENDS:
                 if kind == _OPTIMIZER_STEP:
                     stepped.add(pid)
                 if pid in self._waits_probed:
-                    events.append(WaitTotals(t, pid, wait_ns, waits))
+                    events.append(WaitTotals(t, pid, wait_ns, waits, p2p_ns, p2p_waits))
             marker = Marker(t, pid, tid, MARKER_KINDS[kind - 1], name)
             self.updates.on_marker(marker)
             events.append(marker)
@@ -493,7 +502,11 @@ class MarkerProbe(Source):
                 # ranks whose updates gradient reads find (no Optimizer.step seen), and
                 # those whose reads are probed now (not while their updates are counted)
                 "grad_read_ranks": len(self._grad_points),
-                "grad_read_probes": len(self._grad_events)}
+                "grad_read_probes": len(self._grad_events),
+                # (ranks of a distributed job: a lone process has no process group)
+                "ranks_without_wait_probes": sum(
+                    1 for t in self.targets
+                    if t.rank is not None and self.wait_points.get(t.pid) == [])}
 
     def _close(self) -> None:
         libraries = [*self._libraries.values(), *self._c10_libraries.values()]

@@ -1,23 +1,26 @@
-"""Time blocked on collectives, accounted where the wait markers arrive (the tracefs
-backend; the bcc backend does the same in the kernel, iterations.bpf.c).
+"""Time blocked on the process group, accounted where the wait markers arrive (the
+tracefs backend; the bcc backend does the same in the kernel, iterations.bpf.c).
 
 Per thread, nested waits count once, from the outermost entry to its return, added
-to the process's running total at the return; the thread stepping the optimizer is
-in no wait, so a wait whose return was lost ends at the step. ``step`` gives the
-totals a ``waits`` record carries: one record per step instead of two per collective.
+to the process's running total at the return (and to its point-to-point total too
+when the outermost is a send's or a receive's: ``p2p_wait_*`` markers); the thread
+stepping the optimizer is in no wait, so a wait whose return was lost ends at the
+step. ``step`` gives the totals a ``waits`` record carries: one record per step
+instead of two per collective.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from perfmon.parsers.events import Marker, Record, WaitTotals
+from perfmon.parsers.events import WAIT_MARKERS, Marker, Record, WaitTotals
 
 
 @dataclass
 class _Thread:
     depth: int = 0
     since: int = 0
+    p2p: bool = False  # the outermost wait is a point-to-point one
 
 
 class WaitAccount:
@@ -25,7 +28,7 @@ class WaitAccount:
 
     def __init__(self) -> None:
         self._threads: dict[int, _Thread] = {}
-        self._totals: dict[int, list[int]] = {}  # pid -> [ns, count]
+        self._totals: dict[int, list[int]] = {}  # pid -> [ns, count, p2p ns, p2p count]
         self._forget_before = 0  # (forget_open_from)
 
     def account(self, marker: Marker, probed: bool, raw: bool) -> list[Record]:
@@ -36,10 +39,11 @@ class WaitAccount:
         if self._forget_before and t >= self._forget_before:
             self._threads.clear()
             self._forget_before = 0
-        if kind == "wait_enter":
-            self.enter(tid, t)
-        elif kind == "wait_exit":
-            self.exit(pid, tid, t)
+        if kind in WAIT_MARKERS:
+            if kind.endswith("_enter"):
+                self.enter(tid, t, p2p=kind == "p2p_wait_enter")
+            else:
+                self.exit(pid, tid, t)
         elif kind == "optimizer_step" and probed:
             return [WaitTotals(t, pid, *self.step(pid, tid, t)), marker]
         else:
@@ -51,12 +55,12 @@ class WaitAccount:
         were off, their returns unseen; markers from before may still be on their way)."""
         self._forget_before = t_ns
 
-    def enter(self, tid: int, t_ns: int) -> None:
+    def enter(self, tid: int, t_ns: int, p2p: bool = False) -> None:
         thread = self._threads.get(tid)
         if thread is None:
             thread = self._threads[tid] = _Thread()
         if thread.depth == 0:
-            thread.since = t_ns
+            thread.since, thread.p2p = t_ns, p2p
         thread.depth += 1
 
     def exit(self, pid: int, tid: int, t_ns: int) -> None:
@@ -65,18 +69,22 @@ class WaitAccount:
             return  # entered before the probes were attached
         thread.depth -= 1
         if thread.depth == 0:
-            self._add(pid, t_ns - thread.since)
+            self._add(pid, t_ns - thread.since, thread.p2p)
 
-    def step(self, pid: int, tid: int, t_ns: int) -> tuple[int, int]:
-        """(wait ns, waits) of ``pid`` so far, at an Optimizer.step of thread ``tid``."""
+    def step(self, pid: int, tid: int, t_ns: int) -> tuple[int, int, int, int]:
+        """(wait ns, waits, p2p wait ns, p2p waits) of ``pid`` so far, at an
+        Optimizer.step of thread ``tid``."""
         thread = self._threads.get(tid)
         if thread is not None and thread.depth:
             thread.depth = 0
-            self._add(pid, t_ns - thread.since)
-        ns, count = self._totals.get(pid, (0, 0))
-        return ns, count
+            self._add(pid, t_ns - thread.since, thread.p2p)
+        ns, count, p2p_ns, p2p_count = self._totals.get(pid, (0, 0, 0, 0))
+        return ns, count, p2p_ns, p2p_count
 
-    def _add(self, pid: int, ns: int) -> None:
-        total = self._totals.setdefault(pid, [0, 0])
+    def _add(self, pid: int, ns: int, p2p: bool) -> None:
+        total = self._totals.setdefault(pid, [0, 0, 0, 0])
         total[0] += ns
         total[1] += 1
+        if p2p:
+            total[2] += ns
+            total[3] += 1

@@ -316,7 +316,7 @@ def rows_records(seconds: int, *, ranks: int = 8, step_ns: int = 100_000_000,
                 end = t + step_ns * 91 // 100 + j * 1000
                 wait = step_ns * 3 // 10 + (k * 7919 + j * 104729) % (step_ns // 50)
                 rows.append((pid, end, 1, wait, 400, 0, step_ns // 2, t + step_ns * 4 // 10,
-                             t + step_ns * 9 // 10))
+                             t + step_ns * 9 // 10, 0))
         yield Steps.encode(rows[0][1], rows, ["uprobe"]).to_record()
         yield None
     yield {"type": "session_end", "t_mono_ns": START_NS + seconds * 1_000_000_000,

@@ -41,6 +41,7 @@ from perfmon.parsers.host_facts import (
     torch_version_file,
 )
 from perfmon.parsers.procfs import MappedFile, parse_maps
+from perfmon.parsers.wait_symbols import C10D_PREFIX, by_backend, wait_point
 from perfmon.probes.capabilities import NO_UPROBES, host_checks
 from perfmon.probes.cuda_libraries import (
     LIBRARIES,
@@ -54,7 +55,6 @@ from perfmon.probes.job_files import JobFileError, read_job_file
 from perfmon.probes.procfs import TargetProcess, read_proc, resolve_targets
 from perfmon.probes.pyspy import dump_stacks
 from perfmon.probes.torch_symbols import (
-    COLLECTIVE_WAIT_SYMBOLS,
     ENGINE_EXECUTE_SYMBOL,
     RECORD_FUNCTION_SYMBOLS,
     open_torch_library,
@@ -85,11 +85,9 @@ _TORCH_SYMBOLS: tuple[tuple[tuple[str, ...], str, str, str], ...] = (
      "(or record_function_enter)", FAILED, NO_UPROBES),
     ((ENGINE_EXECUTE_SYMBOL,), "torch::autograd::Engine::execute", DEGRADED,
      "micro-batches per step are not counted"),
-    ((COLLECTIVE_WAIT_SYMBOLS[0],), "c10d::Work::wait", DEGRADED,
-     "a rank's collective wait is its CUDA synchronisation only"),
-    ((COLLECTIVE_WAIT_SYMBOLS[1],), "c10d::Reducer::finalize_backward", DEGRADED,
-     "a rank's collective wait is its CUDA synchronisation only"),
 )
+_NO_WAITS = "a rank's wait on its process group is its CUDA synchronisation only"
+
 _VERSION_FILE_BYTES = 64 << 10
 _VERSION_SHOWN_CHARS = 64  # the job writes version.py: its __version__ is shown escaped, cut
 _DUMP_TIMEOUT_S = 10.0
@@ -218,25 +216,35 @@ def torch_check(target: TargetProcess) -> Check:
     except SymbolNotFound as err:
         return Check("libtorch", FAILED, str(err), scope=JOB, fallback=NO_UPROBES)
     try:
-        found = find_function_symbols(library, [p for row in _TORCH_SYMBOLS for p in row[0]])
+        found = find_function_symbols(
+            library, [*(p for row in _TORCH_SYMBOLS for p in row[0]), C10D_PREFIX])
     except (OSError, ValueError, ElfError) as err:
         return Check("libtorch", FAILED, f"cannot read symbols of {target.torch_library}: {err}",
                      scope=JOB, fallback=NO_UPROBES)
     finally:
         library.close()
     present = {shown: any(found[p] for p in prefixes) for prefixes, shown, _, _ in _TORCH_SYMBOLS}
-    missing = [row for row in _TORCH_SYMBOLS if not present[row[1]]]
+    # Every work object's wait the library exports, by backend: what the probes attach
+    # (perfmon.parsers.wait_symbols; a release's new override among them).
+    waits = by_backend([p for s in found[C10D_PREFIX] if (p := wait_point(s.name))])
+    missing = [row[1:] for row in _TORCH_SYMBOLS if not present[row[1]]]
+    if not waits:
+        missing.append(("c10d work objects' wait", DEGRADED, _NO_WAITS))
     version = _torch_version(target)
-    facts = {"path": target.torch_library, "torch_version": version, "symbols": present}
+    facts = {"path": target.torch_library, "torch_version": version, "symbols": present,
+             "wait_probes": waits}
     where = f"{target.torch_library} (torch {version or 'version not read'})"
+    probes = "; ".join(f"{backend}: {', '.join(names)}" for backend, names in waits.items())
+    detail = f"wait probes by process group kind: {probes}" if waits else ""
     if not missing:
-        return Check("libtorch", OK, f"{where}: every probed symbol exported", scope=JOB,
-                     facts=facts)
-    status = FAILED if any(row[2] == FAILED for row in missing) else DEGRADED
+        return Check("libtorch", OK, f"{where}: every probed symbol exported; {detail}",
+                     scope=JOB, facts=facts)
+    status = FAILED if any(row[1] == FAILED for row in missing) else DEGRADED
     return Check("libtorch", status,
-                 f"{where}: missing {', '.join(row[1] for row in missing)}", scope=JOB,
+                 f"{where}: missing {', '.join(row[0] for row in missing)}"
+                 + (f"; {detail}" if detail else ""), scope=JOB,
                  fix="a PyTorch >= 1.13 built with exported symbols (and distributed)",
-                 fallback="; ".join(dict.fromkeys(row[3] for row in missing)), facts=facts)
+                 fallback="; ".join(dict.fromkeys(row[2] for row in missing)), facts=facts)
 
 
 def _torch_version(target: TargetProcess) -> str | None:

@@ -5,14 +5,17 @@
 // (step_names.bpf.h reads and classifies the name). Engine::execute (one call
 // per backward()) is counted at entry and exit.
 //
-// The c10d calls that block on a collective (Work::wait, DDP's finalize_backward) are
-// accounted here, not sent out: a tensor-parallel job makes hundreds a step. Each
-// thread's wait (nested calls once) is added to its process's running total when it
-// returns, and every Optimizer.step event carries the totals (wait_ns, waits); the
-// thread stepping the optimizer is in no wait (a wait whose return was lost ends
-// there). With raw_waits[0] set (asked for, or a hang or a fail-slow window) each
-// entry and return also leaves the kernel as a wait_* event, stamped with the same
-// time the totals use.
+// The c10d calls that block on the process group (the work objects' wait: Work::wait
+// and every override of it, DDP's finalize_backward) are accounted here, not sent
+// out: a tensor-parallel job makes hundreds a step. Each thread's wait (nested calls
+// once) is added to its process's running total when it returns, and every
+// Optimizer.step event carries the totals (wait_ns, waits); the thread stepping the
+// optimizer is in no wait (a wait whose return was lost ends there). A wait on a
+// point-to-point send or receive (a pipeline's activations and gradients: the
+// on_p2p_wait_* probes) is in those totals and, besides, in the p2p ones (p2p_wait_ns,
+// p2p_waits): the outermost call of a thread's nest says which. With raw_waits[0] set
+// (asked for, or a hang or a fail-slow window) each entry and return also leaves the
+// kernel as a wait_* (p2p_wait_*) event, stamped with the same time the totals use.
 //
 // Settings arrive as -D cflags: NAME_LEN (bytes of the name copied out),
 // RING_PAGES (the ring buffer's size), and those of step_names.bpf.h.
@@ -34,6 +37,8 @@ enum event_kind {
     EV_WAIT_ENTER = 6,
     EV_WAIT_EXIT = 7,
     EV_GRAD_READ = 8,
+    EV_P2P_WAIT_ENTER = 9,
+    EV_P2P_WAIT_EXIT = 10,
 };
 
 struct event_t {
@@ -44,18 +49,22 @@ struct event_t {
     u32 _pad;
     u64 wait_ns;        // EV_OPTIMIZER_STEP: the process's waits so far (total, count)
     u64 waits;
+    u64 p2p_wait_ns;    // ... of which on point-to-point sends and receives
+    u64 p2p_waits;
     char name[NAME_LEN];
 };
 
 struct wait_thread {
     u32 depth;          // nested waits open
-    u32 _pad;
+    u32 p2p;            // 1: the outermost is a point-to-point send's or receive's
     u64 since;          // when the outermost began
 };
 
 struct wait_total {
     u64 ns;             // added by every thread of the process: atomics
     u64 count;
+    u64 p2p_ns;         // ... the point-to-point ones among them
+    u64 p2p_count;
 };
 
 #ifndef RING_PAGES
@@ -80,9 +89,11 @@ struct update_state {
 };
 BPF_HASH(updates, u32, struct update_state, 4096);  // tgid
 
-static __always_inline void emit(struct event_t *ev)
+// ``size``: the whole event, or its head alone (up to its name) for an event with no
+// name: a tensor-parallel job's raw waits fill the ring half as fast.
+static __always_inline void emit(struct event_t *ev, u64 size)
 {
-    if (events.ringbuf_output(ev, sizeof(*ev), 0) != 0) {
+    if (events.ringbuf_output(ev, size, 0) != 0) {
         int zero = 0;
         u64 *n = dropped.lookup(&zero);
         if (n)
@@ -104,16 +115,22 @@ static __always_inline struct event_t *fresh_event(u32 kind, u64 t)
     ev->_pad = 0;
     ev->wait_ns = 0;
     ev->waits = 0;
+    ev->p2p_wait_ns = 0;
+    ev->p2p_waits = 0;
     return ev;
 }
 
-static __always_inline void add_wait(u32 pid, u64 ns)
+static __always_inline void add_wait(u32 pid, u64 ns, u32 p2p)
 {
     struct wait_total zero = {};
     struct wait_total *total = wait_totals.lookup_or_try_init(&pid, &zero);
     if (total) {
         __sync_fetch_and_add(&total->ns, ns);
         __sync_fetch_and_add(&total->count, 1);
+        if (p2p) {
+            __sync_fetch_and_add(&total->p2p_ns, ns);
+            __sync_fetch_and_add(&total->p2p_count, 1);
+        }
     }
 }
 
@@ -124,12 +141,14 @@ static __always_inline void step_waits(struct event_t *ev)
     struct wait_thread *w = wait_threads.lookup(&tid);
     if (w && w->depth) {
         w->depth = 0;
-        add_wait(pid, ev->t_mono_ns - w->since);
+        add_wait(pid, ev->t_mono_ns - w->since, w->p2p);
     }
     struct wait_total *total = wait_totals.lookup(&pid);
     if (total) {
         ev->wait_ns = total->ns;
         ev->waits = total->count;
+        ev->p2p_wait_ns = total->p2p_ns;
+        ev->p2p_waits = total->p2p_count;
     }
 }
 
@@ -150,7 +169,7 @@ int on_record_function_enter(struct pt_regs *ctx)
     if (kind == EV_OPTIMIZER_STEP)
         step_waits(ev);
     bpf_probe_read_user_str(&ev->name, sizeof(ev->name), data);
-    emit(ev);
+    emit(ev, sizeof(*ev));
     return 0;
 }
 
@@ -158,8 +177,7 @@ static __always_inline int emit_unnamed(u32 kind, u64 t)
 {
     struct event_t *ev = fresh_event(kind, t);
     if (ev) {
-        ev->name[0] = 0;
-        emit(ev);
+        emit(ev, __builtin_offsetof(struct event_t, name));
     }
     return 0;
 }
@@ -208,27 +226,30 @@ int on_grad_read(struct pt_regs *ctx)
     if (!ev)
         return 0;
     step_waits(ev);
-    ev->name[0] = 0;
-    emit(ev);
+    emit(ev, __builtin_offsetof(struct event_t, name));
     return 0;
 }
 
-// A thread blocked on a collective (c10d Work::wait, DDP's Reducer::finalize_backward).
-int on_wait_enter(struct pt_regs *ctx)
+// A thread blocked on its process group: a collective's work (c10d Work::wait and its
+// overrides, DDP's Reducer::finalize_backward), or a point-to-point send's or
+// receive's (p2p).
+static __always_inline int wait_enter(u32 p2p)
 {
     u64 t = bpf_ktime_get_ns();
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct wait_thread zero = {};
     struct wait_thread *w = wait_threads.lookup_or_try_init(&tid, &zero);
     if (w) {
-        if (w->depth == 0)
+        if (w->depth == 0) {
             w->since = t;
+            w->p2p = p2p;
+        }
         w->depth += 1;
     }
-    return raw_waits_on() ? emit_unnamed(EV_WAIT_ENTER, t) : 0;
+    return raw_waits_on() ? emit_unnamed(p2p ? EV_P2P_WAIT_ENTER : EV_WAIT_ENTER, t) : 0;
 }
 
-int on_wait_exit(struct pt_regs *ctx)
+static __always_inline int wait_exit(u32 p2p)
 {
     u64 t = bpf_ktime_get_ns();
     u64 id = bpf_get_current_pid_tgid();
@@ -237,7 +258,12 @@ int on_wait_exit(struct pt_regs *ctx)
     if (w && w->depth) {  // else entered before the probes were attached
         w->depth -= 1;
         if (w->depth == 0)
-            add_wait(id >> 32, t - w->since);
+            add_wait(id >> 32, t - w->since, w->p2p);
     }
-    return raw_waits_on() ? emit_unnamed(EV_WAIT_EXIT, t) : 0;
+    return raw_waits_on() ? emit_unnamed(p2p ? EV_P2P_WAIT_EXIT : EV_WAIT_EXIT, t) : 0;
 }
+
+int on_wait_enter(struct pt_regs *ctx) { return wait_enter(0); }
+int on_wait_exit(struct pt_regs *ctx) { return wait_exit(0); }
+int on_p2p_wait_enter(struct pt_regs *ctx) { return wait_enter(1); }
+int on_p2p_wait_exit(struct pt_regs *ctx) { return wait_exit(1); }

@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 from perfmon.probes.capabilities import HOST_CHECK_NAMES
-from perfmon.probes.torch_symbols import COLLECTIVE_WAIT_SYMBOLS, ENGINE_EXECUTE_SYMBOL
+from perfmon.probes.torch_symbols import ENGINE_EXECUTE_SYMBOL
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, _reap, load_summary, wait_for
@@ -101,7 +101,14 @@ def test_a_training_job_has_its_python_symbols_ranks_and_model(agent, start_targ
     assert found["pyspy_job"]["status"] == "ok"
     torch = found["libtorch"]
     assert torch["status"] == "ok", torch
-    assert all(torch["facts"]["symbols"].values()) and len(torch["facts"]["symbols"]) == 4
+    assert all(torch["facts"]["symbols"].values()) and len(torch["facts"]["symbols"]) == 2
+    # The wait probes by process group kind, found in the library's own symbols: the
+    # base class's, gloo's work objects' (point-to-point ones among them), DDP's reducer.
+    waits = torch["facts"]["wait_probes"]
+    assert waits["any"] == ["Work::wait"] and waits["ddp"] == ["Reducer::finalize_backward"]
+    assert {"ProcessGroupGloo::SendWork::wait", "ProcessGroupGloo::RecvWork::wait"} <= set(
+        waits["gloo"]), waits
+    assert "wait probes by process group kind: any: Work::wait" in torch["detail"]
     assert torch["facts"]["path"].endswith("/torch/lib/libtorch_cpu.so")
     assert torch["facts"]["torch_version"] == _torch_version()
     assert found["ranks"]["facts"]["pids"] == [target.pid]
@@ -205,11 +212,13 @@ def test_no_such_pid_is_one_line(agent) -> None:
 def test_a_libtorch_without_the_step_symbol_names_it_and_the_py_spy_fallback(
         agent, idle_python, tmp_path) -> None:
     # A stand-in libtorch_cpu.so (found by its file name, as the agent finds libtorch)
-    # exporting Engine::execute and c10d::Work::wait under their real mangled names, but
-    # no record_function entry point and no Reducer::finalize_backward.
+    # exporting Engine::execute, c10d::Work::wait and gloo's RecvWork::wait under their
+    # real mangled names, but no record_function entry point and no
+    # Reducer::finalize_backward.
+    timeout = "NSt6chrono8durationIlSt5ratioILl1ELl1000EEEE"
     exported = [ENGINE_EXECUTE_SYMBOL + "ERKSt6vectorINS0_4EdgeESaIS3_EERKS2_IN2at6TensorESaIS9_"
-                "EEbbbS7_", COLLECTIVE_WAIT_SYMBOLS[0] + "NSt6chrono8durationIlSt5ratioILl1ELl1000"
-                "EEEE"]
+                "EEbbbS7_", "_ZN4c10d4Work4waitE" + timeout,
+                "_ZN4c10d16ProcessGroupGloo8RecvWork4waitE" + timeout]
     source = tmp_path / "stand_in.c"
     source.write_text("".join(f"void {name}(void) {{}}\n" for name in exported))
     library = tmp_path / "libtorch_cpu.so"
@@ -227,12 +236,14 @@ def test_a_libtorch_without_the_step_symbol_names_it_and_the_py_spy_fallback(
     assert torch["status"] == "failed"
     assert torch["facts"]["path"] == str(library)
     assert "record_function_enter_new" in torch["detail"]
-    assert "c10d::Reducer::finalize_backward" in torch["detail"]
     assert "torch::autograd::Engine::execute" not in torch["detail"]
     assert "py-spy" in torch["fallback"]
-    symbols = torch["facts"]["symbols"]
-    assert symbols["torch::autograd::Engine::execute"] and symbols["c10d::Work::wait"]
-    assert not symbols["c10d::Reducer::finalize_backward"]
+    assert torch["facts"]["symbols"]["torch::autograd::Engine::execute"]
+    # The wait probes it would attach, by process group kind (the reducer's absent).
+    assert torch["facts"]["wait_probes"] == {"any": ["Work::wait"],
+                                            "gloo": ["ProcessGroupGloo::RecvWork::wait"]}
+    assert ("wait probes by process group kind: any: Work::wait; gloo: "
+            "ProcessGroupGloo::RecvWork::wait") in torch["detail"]
 
 
 def test_the_service_exports_its_host_checks(agent, tmp_path) -> None:

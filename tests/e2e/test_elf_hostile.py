@@ -51,15 +51,12 @@ def readelf_functions(path: Path, prefixes: tuple[str, ...]) -> dict[str, set[tu
 
 @pytest.mark.skipif(LIBTORCH is None, reason="torch is not installed")
 def test_the_installed_libtorch_gives_what_readelf_lists_as_fast_as_before() -> None:
-    from perfmon.probes.torch_symbols import (
-        COLLECTIVE_WAIT_SYMBOLS,
-        ENGINE_EXECUTE_SYMBOL,
-        RECORD_FUNCTION_SYMBOLS,
-    )
+    from perfmon.parsers.wait_symbols import C10D_PREFIX
+    from perfmon.probes.torch_symbols import ENGINE_EXECUTE_SYMBOL, RECORD_FUNCTION_SYMBOLS
 
     assert LIBTORCH is not None
-    prefixes = (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, *COLLECTIVE_WAIT_SYMBOLS,
-                "_ZN5torch8autograd6Engine")  # a wider one: dozens of symbols
+    prefixes = (*RECORD_FUNCTION_SYMBOLS, ENGINE_EXECUTE_SYMBOL, C10D_PREFIX,
+                "_ZN5torch8autograd6Engine")  # wider ones: dozens and hundreds of symbols
     with mapped(LIBTORCH) as buf:
         find_function_symbols(buf, prefixes)  # its pages in the page cache
         started = time.monotonic()

@@ -19,7 +19,7 @@ from perfmon.parsers.events import (
 )
 from perfmon.parsers.step_rows import decode_steps
 
-_STEPS = Steps.encode(1, [(7, 1, 2, 30, 4, 0, 0, 1, 1), (7, 9, 2, 5, 1, 1, 4, 3, 8)],
+_STEPS = Steps.encode(1, [(7, 1, 2, 30, 4, 0, 0, 1, 1, 0), (7, 9, 2, 5, 1, 1, 4, 3, 8, 2)],
                       ["uprobe", "optimizer_frame"])
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "events.md"
@@ -82,10 +82,17 @@ def test_steps_rows_decode_as_they_were_made_and_crafted_ones_are_refused():
     below[4 * 16:4 * 16 + 8] = (-2).to_bytes(8, "little", signed=True)
     assert record_problem({**good, "rows": bytes(unprobed)}) is None
     assert not decode_steps({**good, "rows": bytes(unprobed)}).probed[0]
+    assert block.p2p_wait_ns.tolist() == [0, 2]
+    # An older agent's record, without the point-to-point column: none of its wait.
+    older = {**good, "columns": good["columns"][:-1], "rows": good["rows"][:-16]}
+    assert good["columns"][-1] == "p2p_wait_ns" and record_problem(older) is None
+    assert decode_steps(older).p2p_wait_ns.tolist() == [0, 0]
+    assert decode_steps(older).wait_ns.tolist() == [30, 5]
     for broken, problem in (
             ({"rows": good["rows"][:-8]}, "rows do not fill its columns"),
             ({"rows": b""}, "rows do not fill its columns"),
-            ({"columns": good["columns"][:-1]}, "without its columns"),
+            ({"columns": [c for c in good["columns"] if c != "wait_ns"]},
+             "without its columns"),
             ({"columns": [*good["columns"][:-1], "pid"]}, "without its columns"),
             ({"hows": ["x"] * 17}, "wrong 'hows'"),
             ({"rows": bytes(table)}, "out of its range"),
