@@ -158,6 +158,30 @@ def _goodput_row(stats: Statistics) -> str:
     return text
 
 
+def _pipeline_row(stats: Statistics) -> str | None:
+    """A pipeline job's bubble against the schedule's, and its slow stage (None: no
+    pipeline)."""
+    p = stats.pipeline
+    if p is None:
+        return None
+    text = f"{p.stages} stages: bubble {fmt(p.bubble, '.1%')} (ideal {fmt(p.ideal_bubble, '.1%')})"
+    if p.slow:
+        text += (f"; stage {p.bounding_stage} bounds it, "
+                 f"+{fmt(scaled(p.excess_s, 1e3), '.1f', ' ms')} a step "
+                 f"({fmt(scaled(p.excess_per_microbatch_s, 1e3), '.1f', ' ms')} a micro-batch)")
+    return text
+
+
+def _layout_row(info: Mapping[str, Any]) -> str:
+    """The job's parallel layout as session_info.layout states it."""
+    layout = info.get("layout") or {}
+    sizes = layout.get("sizes") if layout.get("stated") else None
+    if not isinstance(sizes, Mapping):
+        return "not stated"
+    return " x ".join(f"{k.upper()} {sizes.get(k)}" for k in ("dp", "pp", "tp", "cp", "ep")
+                      if sizes.get(k) not in (None, 1) or k == "dp")
+
+
 def print_summary_table(console: Console, stats: Statistics, info: Mapping[str, Any],
                         path: Path) -> None:
     """The end table of a session's figures and facts (``info``: its session_info). Every
@@ -187,6 +211,11 @@ def print_summary_table(console: Console, stats: Statistics, info: Mapping[str, 
         ("goodput", _goodput_row(stats)),
         ("ended", str(info.get("end_reason"))),
     ]
+    if len(stats.ranks or ()) > 1:
+        rows.insert(-3, ("parallel layout", _layout_row(info)))
+    pipeline = _pipeline_row(stats)
+    if pipeline is not None:
+        rows.insert(-3, ("pipeline", pipeline))
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
@@ -195,19 +224,23 @@ def print_summary_table(console: Console, stats: Statistics, info: Mapping[str, 
 
 def describe_event(event: StragglerEpisode | FailSlowEvent) -> str:
     """One line for a straggler or fail-slow event (the live output)."""
-    def who(pid: int, rank: int | None) -> str:
-        return f"rank {rank} (pid {pid})" if rank is not None else f"pid {pid}"
+    def who(pid: int, rank: int | None, stage: int | None = None) -> str:
+        name = f"rank {rank} (pid {pid})" if rank is not None else f"pid {pid}"
+        return f"pipeline stage {stage}: {name}" if stage is not None else name
 
     def ms(seconds: float | None) -> str:
         return fmt(scaled(seconds, 1e3), ".1f")
 
     if isinstance(event, StragglerEpisode):
         if event.until is not None:
-            return f"straggler: {who(event.pid, event.rank)} no longer lags (since {event.until})"
-        return (f"straggler: {who(event.pid, event.rank)} since {event.since}: computes "
-                f"{ms(event.compute_s)} ms per step against {ms(event.others_compute_s)}"
-                f" ms on the others, delaying the job ~{ms(event.delay_per_step_s)} ms a step")
-    moved = [who(r.pid, r.rank) for r in event.ranks if r.moved]
+            return (f"straggler: {who(event.pid, event.rank, event.stage)} no longer lags "
+                    f"(since {event.until})")
+        others = "the others" if event.stage is None else "its stage's other replicas"
+        return (f"straggler: {who(event.pid, event.rank, event.stage)} since {event.since}: "
+                f"computes {ms(event.compute_s)} ms per step against "
+                f"{ms(event.others_compute_s)} ms on {others}, delaying the job "
+                f"~{ms(event.delay_per_step_s)} ms a step")
+    moved = [who(r.pid, r.rank, r.stage) for r in event.ranks if r.moved]
     kind = event.event
     what = {"fail_slow": "fail-slow", "eased": "fail-slow eased",
             "recovered_partly": "recovered partly"}.get(kind, kind)

@@ -39,8 +39,11 @@ __all__ = [
     "HangEpisode",
     "IntervalFigures",
     "PhaseShift",
+    "PipelineFigures",
+    "RankCoords",
     "RankFigures",
     "RankShift",
+    "StageFigures",
     "Statistics",
     "StragglerEpisode",
     "Unit",
@@ -187,6 +190,19 @@ def finite(value: Any) -> float | None:
 # -- the records -----------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class RankCoords:
+    """A rank's place in its job's parallel layout (perfmon.parsers.parallel_layout):
+    its data-parallel replica, pipeline stage, tensor-, context- and expert-parallel
+    ranks."""
+
+    dp: int = shown("dp", default=0)
+    pp: int = shown("pp", default=0)
+    tp: int = shown("tp", default=0)
+    cp: int = shown("cp", default=0)
+    ep: int = shown("ep", default=0)
+
+
 # (the two records made for every log interval are not frozen: a frozen dataclass sets each
 # field through object.__setattr__, which a week-long replay feels)
 @dataclass(slots=True)
@@ -198,6 +214,9 @@ class RankFigures:
     iterations: int | None = shown("iterations", omitted_when_none=True)
     step_s: float | None = shown("avg_step_time_ms", MS, omitted_when_none=True)
     wait_s: float | None = shown("avg_wait_ms", MS)
+    # ... of it on point-to-point sends and receives (a pipeline's activations and
+    # gradients), the rest on collectives
+    p2p_wait_s: float | None = shown("avg_p2p_wait_ms", MS)
     compute_s: float | None = shown("avg_compute_ms", MS)
     wait_share: float | None = shown("wait_share")
     # Iterations whose wait was measured, where fewer than all (the probes sampled).
@@ -207,6 +226,7 @@ class RankFigures:
     peak_gpu_memory_bytes: int | None = shown("peak_gpu_memory_gb", GIB,
                                               omitted_when_none=True)
     gpu_indices: tuple[int, ...] | None = shown("gpu_indices", omitted_when_none=True)
+    coords: RankCoords | None = shown("coords", omitted_when_none=True)  # the layout's
 
 
 @dataclass(slots=True)
@@ -242,6 +262,7 @@ class IntervalFigures(CudaFigures):
     gpu_throttle_reasons: tuple[str, ...] | None = shown("gpu_throttle_reasons",
                                                           omitted_when_none=True)
     phases: Mapping[str, Any] | None = shown("phases")
+    pipeline: PipelineFigures | None = shown("pipeline", omitted_when_none=True)
     mfu: float | None = None  # model FLOP/s over the device's peak
 
 
@@ -264,6 +285,7 @@ class RankShift:
     compute_s: tuple[float, float] = shown("compute_ms", MS)
     wait_s: tuple[float, float] = shown("wait_ms", MS)
     moved: bool = shown("moved", default=False)  # its compute moved with the step
+    stage: int | None = shown("stage", omitted_when_none=True)  # its pipeline stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +329,8 @@ class StragglerEpisode:
     others_wait_s: float = shown("others_wait_ms", MS)
     differs: Mapping[str, Any] = shown("differs", empty=dict)  # its CPU against the others'
     delay_per_step_s: float = shown("delay_ms_per_step", MS)  # the job's delay, median
+    # Its pipeline stage, whose ranks alone it was compared with (layout stated).
+    stage: int | None = shown("stage", omitted_when_none=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +348,43 @@ class HangEpisode:
     report: str = shown("report")
     phase: str | None = shown("phase")
     recovered_at: str | None = shown("recovered_at")
+
+
+@dataclass(frozen=True, slots=True)
+class StageFigures:
+    """One pipeline stage's means per iteration (its ranks': data-parallel replicas,
+    tensor- and context-parallel peers): its compute, its wait on its neighbours'
+    activations and gradients (``bubble_s``: point-to-point sends and receives) and on
+    collectives (the rest of its wait)."""
+
+    stage: int = shown("stage")
+    ranks: tuple[int, ...] = shown("ranks", default=())
+    step_s: float | None = shown("avg_step_time_ms", MS)
+    compute_s: float | None = shown("avg_compute_ms", MS)
+    bubble_s: float | None = shown("avg_bubble_ms", MS)
+    collective_wait_s: float | None = shown("avg_collective_wait_ms", MS)
+    bubble_share: float | None = shown("bubble_share")  # bubble over step
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineFigures:
+    """A pipeline-parallel job's stages (docs/pipeline.md): the measured bubble (the mean
+    of the stages' bubble shares) beside the schedule's ideal, (p - 1) / (v m + p - 1)
+    for p stages, m micro-batches and v virtual stages a rank, and the stage that bounds
+    the pipeline: the most compute, its excess over the median of the others' (in every
+    data-parallel replica: the least of the replicas'), ``slow`` beyond the rule's bar."""
+
+    stages: int = shown("stages")
+    virtual_stages: int = shown("virtual_stages", default=1)
+    microbatches: int | None = shown("microbatches")
+    bubble: float | None = shown("bubble_fraction")
+    ideal_bubble: float | None = shown("ideal_bubble_fraction")
+    per_stage: tuple[StageFigures, ...] = shown("per_stage", default=())
+    bounding_stage: int | None = shown("bounding_stage")
+    excess_s: float | None = shown("bounding_excess_ms", MS)  # per step
+    excess_per_microbatch_s: float | None = shown("bounding_excess_per_microbatch_ms", MS)
+    excess_share: float | None = shown("bounding_excess_share")  # over the others' compute
+    slow: bool = shown("slow_stage", default=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +478,7 @@ class Statistics(CudaFigures):
     stragglers: tuple[StragglerEpisode, ...] = shown("stragglers", default=())
     fail_slow: tuple[FailSlowEvent, ...] = shown("fail_slow", default=())
     goodput: Goodput | None = shown("goodput", omitted_when_none=True)
+    pipeline: PipelineFigures | None = shown("pipeline", omitted_when_none=True)
     data_quality: Mapping[str, Any] = shown("data_quality", empty=dict)
     # -- for the other sinks (Prometheus, the console) ---------------------------------
     hung: bool = False  # a hang is open now

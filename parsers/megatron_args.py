@@ -45,7 +45,7 @@ _HF_SEQ_LENGTH_FLAGS = ("--max_seq_length", "--max-seq-length", "--block_size", 
                         "--model_max_length", "--model-max-length")
 
 
-def _scan(argv: Sequence[str], value_flags: Sequence[str],
+def scan_flags(argv: Sequence[str], value_flags: Sequence[str],
           bool_flags: Sequence[str] = ()) -> Iterator[tuple[str, str | None]]:
     """Yield (flag, value) for each listed flag in argv; value is None for a bool flag.
 
@@ -68,7 +68,7 @@ def _scan(argv: Sequence[str], value_flags: Sequence[str],
         i += 1
 
 
-def _int(flag: str, value: str) -> int:
+def int_flag(flag: str, value: str) -> int:
     try:
         return int(value)  # what argparse's type=int accepts
     except ValueError:
@@ -93,7 +93,7 @@ def parse_megatron_cmdline(argv: Sequence[str]) -> dict[str, object]:
     """
     fields: dict[str, object] = {}
     value_flags = [*_INT_FLAGS, *_STR_FLAGS, "--moe-layer-freq"]
-    for flag, value in _scan(argv, value_flags, list(_BOOL_FLAGS)):
+    for flag, value in scan_flags(argv, value_flags, list(_BOOL_FLAGS)):
         if value is None:
             fields[_BOOL_FLAGS[flag]] = True
         elif flag in _STR_FLAGS:
@@ -104,7 +104,7 @@ def parse_megatron_cmdline(argv: Sequence[str]) -> dict[str, object]:
             except ValueError as err:
                 raise ModelConfigError(f"target command line: --moe-layer-freq: {err}") from err
         else:
-            fields[_INT_FLAGS[flag]] = _int(flag, value)
+            fields[_INT_FLAGS[flag]] = int_flag(flag, value)
     if any(name in fields for name in _ARCHITECTURE_FIELDS):
         for name in _BOOL_FLAGS.values():
             fields.setdefault(name, False)
@@ -120,7 +120,7 @@ def hf_config_locations(argv: Sequence[str]) -> list[str]:
     --model_name_or_path (directories or hub names, as given; dash spellings too).
     """
     found: dict[str, list[str]] = {"config": [], "model": []}
-    for flag, value in _scan(argv, _HF_CONFIG_FLAGS):
+    for flag, value in scan_flags(argv, _HF_CONFIG_FLAGS):
         assert value is not None
         found["config" if "config" in flag else "model"].append(value)
     # Last occurrence wins in argparse, so it goes first within its kind.
@@ -140,9 +140,9 @@ def cmdline_batch_fields(argv: Sequence[str], world_size: int | None = None) -> 
     """
     values: dict[str, int] = {}
     flags = (*_HF_MICRO_BATCH_FLAGS, *_HF_ACCUMULATION_FLAGS, *_HF_SEQ_LENGTH_FLAGS)
-    for flag, value in _scan(argv, flags):
+    for flag, value in scan_flags(argv, flags):
         assert value is not None
-        values[flag.lstrip("-").replace("-", "_")] = _int(flag, value)
+        values[flag.lstrip("-").replace("-", "_")] = int_flag(flag, value)
     fields: dict[str, object] = {}
     seq_length = next((values[k] for k in ("max_seq_length", "block_size", "model_max_length")
                        if k in values), None)

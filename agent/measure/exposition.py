@@ -38,9 +38,14 @@ RANK_VALUE_NAMES: dict[str, str] = {
                        "as the agent's rank analysis measured it.",
     "wait_seconds": "Seconds per iteration the rank spent waiting for the others "
                     "(collectives, synchronisation), as the agent's rank analysis measured it.",
+    "p2p_wait_seconds": "Of the rank's wait seconds per iteration, those in point-to-point "
+                        "sends and receives (a pipeline's activations and gradients: its "
+                        "bubble).",
     "straggler": "1 while the agent counts the rank as a straggler (the others wait for "
-                 "it), else 0.",
+                 "it; in a pipeline, its stage's other replicas), else 0.",
 }
+# perfmon_rank_info's coordinates: the rank's place in the job's stated layout.
+COORD_LABELS = ("dp", "pp", "tp", "cp", "ep")
 
 # GPU_EVENT_TYPES (perfmon.agent.reducers.resources): a fixed set, every one exposed from
 # the job's start so that increase() sees its first event.
@@ -96,6 +101,24 @@ JOB_GAUGES: dict[str, tuple[str, str]] = {
         "perfmon_host_wait_ratio",
         "Share (0..1) of the step time the job's ranks on this host spent waiting: their "
         "wait seconds over their wait plus compute seconds."),
+    "pipeline_bubble_ratio": (
+        "perfmon_pipeline_bubble_ratio",
+        "A pipeline-parallel job's measured bubble over the latest log interval: the mean "
+        "over its stages (on this host) of their point-to-point wait over their step "
+        "(docs/pipeline.md)."),
+    "pipeline_ideal_bubble_ratio": (
+        "perfmon_pipeline_ideal_bubble_ratio",
+        "The schedule's bubble for the job's stages and micro-batches: (p - 1) / (v m + "
+        "p - 1)."),
+    "pipeline_bounding_stage": (
+        "perfmon_pipeline_bounding_stage",
+        "The pipeline stage with the most compute over the latest log interval (the one "
+        "the others wait for)."),
+    "pipeline_bounding_excess_ratio": (
+        "perfmon_pipeline_bounding_excess_ratio",
+        "That stage's compute over the median of the other stages', less 1, in every "
+        "data-parallel replica (the least of the replicas'): PerfmonPipelineStageBound "
+        "alerts beyond StageRule's share."),
     "fail_slow_active": (
         "perfmon_fail_slow_active",
         "1 while the job's step time is in a fail-slow episode (a sustained rise not yet "
@@ -132,6 +155,7 @@ class JobSeries:
     rank_values: dict[str, dict[str, float]] = field(default_factory=dict)  # name->rank->v
     fail_slow: tuple[float, str] | None = None  # the active episode: (ratio, phase)
     lost_seconds: dict[str, float] = field(default_factory=dict)  # cause -> s (the job's)
+    rank_coords: dict[str, tuple[str, ...]] = field(default_factory=dict)  # rank -> coords
 
     def rank_label(self, rank: int | None, pid: int) -> str:
         """The ``rank`` label: the rank, or ``pid:<pid>`` for a process without RANK."""
@@ -262,6 +286,14 @@ def _rank_families(jobs: list[JobSeries]) -> list[Metric]:
             for rank, value in sorted(s.rank_values.get(name, {}).items()):
                 gauge.add_metric([*s.labels, rank], value)
         out.append(gauge)
+    info = GaugeMetricFamily(
+        "perfmon_rank_info", "A rank's place in the job's stated parallel layout (value 1): "
+        "its data-parallel replica, pipeline stage, tensor-, context- and expert-parallel "
+        "ranks (docs/pipeline.md).", labels=[*JOB_LABELS, "rank", *COORD_LABELS])
+    for s in jobs:
+        for rank, coords in sorted(s.rank_coords.items()):
+            info.add_metric([*s.labels, rank, *coords], 1.0)
+    out.append(info)
     return out
 
 

@@ -206,8 +206,18 @@ class Metrics(Collector):
             for rank in figures.ranks or ():
                 state.set_rank(rank.rank, rank.pid, {
                     "compute_seconds": rank.compute_s, "wait_seconds": rank.wait_s,
+                    "p2p_wait_seconds": rank.p2p_wait_s,
                     "straggler": 1.0 if rank.straggler else 0.0})
+                if rank.coords is not None:
+                    c = rank.coords
+                    state.rank_coords[state.rank_label(rank.rank, rank.pid)] = tuple(
+                        map(str, (c.dp, c.pp, c.tp, c.cp, c.ep)))
             _host_figures(state)
+            p = figures.pipeline
+            state.set_gauge("pipeline_bubble_ratio", p.bubble if p else None)
+            state.set_gauge("pipeline_ideal_bubble_ratio", p.ideal_bubble if p else None)
+            state.set_gauge("pipeline_bounding_stage", p.bounding_stage if p else None)
+            state.set_gauge("pipeline_bounding_excess_ratio", p.excess_share if p else None)
 
     def statistics(self, job: str, stats: Statistics) -> None:
         """The job's figures as of the latest summary: whether it is hung, the per-rank

@@ -27,11 +27,34 @@ from perfmon.parsers.model_config import (
     model_fields_from_mapping,
     parse_model_config_fields,
 )
+from perfmon.parsers.parallel_layout import ParallelLayout, parse_layout
 from perfmon.parsers.presets import preset_fields
 from perfmon.parsers.workload import Workload
 from perfmon.probes.files import read_user_file
 from perfmon.probes.job_files import JobFileError, JobFileMissing, read_job_file
 from perfmon.probes.procfs import TargetProcess
+
+
+def job_layout(target: TargetProcess, fields: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                        str | None]:
+    """session_info.layout of the job (perfmon.parsers.parallel_layout): as its command
+    line states it, else as the model's fields (``--model-config``) do; and a warning
+    where the command line states one its world cannot hold."""
+    world, _ = _world_size(target.environ)
+    try:
+        layout = parse_layout(target.cmdline, world)
+    except ModelConfigError as err:
+        return ParallelLayout(world, stated=False).to_facts(None), (
+            f"pid {target.pid}: parallel layout not used: {err}")
+    if layout.stated:
+        return layout.to_facts("command_line"), None
+    sizes = {k: fields.get(f"{name}_parallel_size", 1) for k, name in (
+        ("tp", "tensor_model"), ("pp", "pipeline_model"), ("cp", "context"),
+        ("ep", "expert_model"))}
+    if any(v != 1 for v in sizes.values()) and world % (sizes["tp"] * sizes["pp"]
+                                                         * sizes["cp"]) == 0:
+        return ParallelLayout(world, **sizes, etp=sizes["tp"]).to_facts("model_config"), None
+    return layout.to_facts(None), None
 
 
 def read_model_config_file(path: str) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from perfmon.agent.measure.incidents import Incidents
 from perfmon.agent.measure.model import (
     build_workload,
     explicit_model_fields,
+    job_layout,
     resolve_model,
 )
 from perfmon.agent.measure.observer import SessionObserver
@@ -62,6 +63,7 @@ from perfmon.parsers.events import (
     sort_key,
 )
 from perfmon.parsers.figures import IntervalFigures, Statistics
+from perfmon.parsers.wait_symbols import by_backend
 from perfmon.parsers.workload import Workload
 from perfmon.probes.background import BackgroundCalls
 from perfmon.probes.gpu import GpuSource
@@ -222,6 +224,9 @@ class MonitorSession:
             gpu.info.update(dtype=opts.dtype, peak_tflops=peak, peak_tflops_from=(
                 "--peak-tflops" if opts.peak_tflops else "device table"))
             workload, model_info = build_workload(model, primary, peak)
+            layout, problem = job_layout(primary, model.fields)
+            if problem:
+                self._warning(problem)
 
             # Raises before any file is written when the host cannot probe.
             probe, backend = open_iteration_source(opts, targets, stack, self._warning,
@@ -245,6 +250,9 @@ class MonitorSession:
                 "stack_sampling_mode": "bursts" if bursts else "continuous",
                 "cpu_budget_pct_per_rank": opts.cpu_budget_pct or None,
                 "model": {**model.description, **model_info},
+                "layout": layout,
+                "wait_probes": (by_backend(probe.wait_points.get(primary.pid, []))
+                                if probe is not None else None),
             }
             dumps = BackgroundCalls("perfmon-hang-dump")
             stack.callback(dumps.close)
@@ -426,7 +434,7 @@ class MonitorSession:
         if (until_ns is not None or live.closer_look
                 or now - live.rows_taken_ns >= ROWS_INTERVAL_NS):
             live.rows_taken_ns = now
-            block = live.rows.take()
+            block = live.rows.take(final=until_ns is not None)
             if block is not None:
                 # Logged as a steps record; the reducers take the block itself.
                 steps = Steps.of_block(block)

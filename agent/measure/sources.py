@@ -82,6 +82,17 @@ def host_can_probe(options: AttachOptions, warn: Callable[[str], None]) -> bool:
 MarkerSource: TypeAlias = MarkerProbe | TracefsMarkerProbe  # the uprobe backends
 
 
+def _warn_unseen_waits(probe: MarkerSource, targets: list[TargetProcess],
+                      warn: Callable[[str], None]) -> None:
+    """Ranks whose libtorch exports no wait point: their waits are not seen (never a
+    silent 0: data_quality's ranks_without_wait_probes counts them too)."""
+    bare = [t.pid for t in targets if t.rank is not None and probe.wait_points.get(t.pid) == []]
+    if bare:
+        warn(f"no wait probe in the libtorch of pid(s) {', '.join(map(str, bare))}: their "
+             "waits on the process group are not seen, their compute is the whole step "
+             "(doctor --pid)")
+
+
 def open_iteration_source(options: AttachOptions, targets: list[TargetProcess],
                           stack: ExitStack, warn: Callable[[str], None], can_probe: bool
                           ) -> tuple[MarkerSource | None, str]:
@@ -105,6 +116,7 @@ def open_iteration_source(options: AttachOptions, targets: list[TargetProcess],
                                    if cls is MarkerProbe
                                    else TracefsMarkerProbe(targets, microbatches=micro))
             started(stack, probe, warn)
+            _warn_unseen_waits(probe, targets, warn)
         except UNAVAILABLE as err:
             failures.append((name, err))
             continue

@@ -53,6 +53,8 @@ class SessionInfo(TypedDict, total=False):
     gpu: dict[str, Any] | None
     health: dict[str, Any] | None
     process_start_monotonic_ns: int | None
+    layout: dict[str, Any] | None
+    wait_probes: dict[str, Any] | None
     microbatches_declared: int | None
     started_by: Literal["attach", "tracker"] | None
     job_before: dict[str, Any] | None
@@ -100,6 +102,7 @@ class FinalStatistics(TypedDict, total=False):
     stragglers: list[Any] | None
     data_quality: dict[str, Any] | None
     kernel_launches_sampled_iterations: int | None
+    pipeline: dict[str, Any] | None
     goodput: Any
     fail_slow: list[Any] | None
 
@@ -120,6 +123,7 @@ class IterationEntry(TypedDict, total=False):
     gpu_power_w: float | None
     gpu_throttle_reasons: list[Any] | None
     phases: Any
+    pipeline: dict[str, Any] | None
     end_monotonic_ns: int | None
     kernels_per_iter: float | None
     cpu_sync_wait_ms: float | None

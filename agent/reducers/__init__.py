@@ -37,6 +37,7 @@ from perfmon.agent.reducers.goodput import Goodput
 from perfmon.agent.reducers.intervals import DEFAULT_MAX_LOG_ENTRIES, Intervals
 from perfmon.agent.reducers.iterations import IterationClock
 from perfmon.agent.reducers.phases import PhaseAccount
+from perfmon.agent.reducers.pipeline import pipeline_figures
 from perfmon.agent.reducers.quality import Coarsening, DataQuality, Hangs
 from perfmon.agent.reducers.ranks import RankTimes
 from perfmon.agent.reducers.resources import Resources
@@ -50,6 +51,7 @@ from perfmon.parsers.figures import (
     StragglerEpisode,
 )
 from perfmon.parsers.figures import Goodput as GoodputFigures
+from perfmon.parsers.parallel_layout import ParallelLayout
 from perfmon.parsers.step_rows import StepBlock
 from perfmon.parsers.workload import Workload
 
@@ -95,6 +97,7 @@ class Summarizer:
             previous=facts.get("job_before"),
             # (the goodput window starts at the attach; older logs say nothing: as before)
             attach_only=facts.get("started_by") == "attach",
+            layout=ParallelLayout.from_facts(facts.get("layout")),
         )
 
     def __init__(self, workload: Workload, primary_pid: int, start_t_mono_ns: int,
@@ -103,9 +106,13 @@ class Summarizer:
                  max_log_entries: int | None = DEFAULT_MAX_LOG_ENTRIES,
                  ranks: dict[int, int | None] | None = None,
                  step_rows: bool = False, process_start_ns: int | None = None,
-                 previous: dict[str, Any] | None = None, attach_only: bool = False) -> None:
+                 previous: dict[str, Any] | None = None, attach_only: bool = False,
+                 layout: ParallelLayout | None = None) -> None:
         self.workload = workload
         self._rank_of = ranks or {}
+        self.layout = layout
+        coords = {pid: c for pid, rank in self._rank_of.items()
+                  if layout is not None and (c := layout.coords(rank)) is not None}
         self.start_t_mono_ns = start_t_mono_ns
         self.start_wall_s = start_wall_s
         self.end_t_mono_ns: int | None = None
@@ -120,7 +127,8 @@ class Summarizer:
         self.coarsening = Coarsening(self.wall_time, frozenset(BY_TYPE))
         self.exits = Exits(self.wall_time)
         self.ranks = RankTimes(ranks or {primary_pid: None}, primary_pid, start_t_mono_ns,
-                               self.wall_time)
+                               self.wall_time, coords=coords,
+                               staged=layout is not None and layout.pp > 1)
         self.failslow = FailSlow(self.wall_time, self.ranks)
         self.goodput = Goodput(start_t_mono_ns, process_start_ns, len(ranks or [primary_pid]),
                                previous, attach_only=attach_only)
@@ -133,7 +141,7 @@ class Summarizer:
             # continuous; in bursts most intervals have none to wait for (they wait
             # for a window started before they ended: PhaseAccount.samples_due).
             wait_for_phases=stack_sampling and phases_continuous, wall_time=self.wall_time,
-            ranks=self.ranks if ranks and len(ranks) > 1 else None)
+            ranks=self.ranks if ranks and len(ranks) > 1 else None, layout=layout)
         self._waiting = self.intervals.waiting  # entries waiting for later records
         self._primary = primary = primary_pid
         phase_feed = self.phases.feed_phase
@@ -324,14 +332,20 @@ class Summarizer:
         hardware = (flops * w.hardware_flops_per_sample / w.flops_per_sample
                     if flops is not None and w.hardware_flops_per_sample
                     and w.flops_per_sample else None)
-        quality, losses = self.quality.summary({"iterations": self.clock.quality()})
+        derived = {"iterations": self.clock.quality()}
+        if self.workload.world_size > 1:  # (a distributed job: its ranks wait on each other)
+            derived["waits"] = {"ranks_without_waits": self.ranks.without_waits()}
+        quality, losses = self.quality.summary(derived)
         resources = self.resources.summary()
         cuda = self.cuda.summary() if self.cuda is not None else {}
+        clock = self.clock.summary()
+        ranks = self._ranks()
         return Statistics(
             flops_per_gpu=flops, tokens_per_s=tokens_s, samples_per_s=samples_s,
             mfu=flops / peak if flops is not None and peak else None,
             hardware_flops_per_gpu=hardware, lost_events=self.lost_events,
-            **self.clock.summary(), **resources, **cuda, ranks=self._ranks(),
+            **clock, **resources, **cuda, ranks=ranks,
+            pipeline=pipeline_figures(ranks, self.layout, clock["microbatches_per_step"]),
             phases=PhaseAccount.breakdown(self.phases.total_ns, self.phases.total_iterations),
             phases_source=self.phases.source,
             # (the iterations the breakdown rests on: with bursts, those sampled)

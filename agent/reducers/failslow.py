@@ -448,7 +448,8 @@ class FailSlow:
                 return statistics.fmean((s - w) if compute else w for s, w in values) / 1e9
 
             out.append(RankShift(r.pid, r.rank, (mean_s(before, True), mean_s(after, True)),
-                                 (mean_s(before, False), mean_s(after, False))))
+                                 (mean_s(before, False), mean_s(after, False)),
+                                 stage=self.ranks.stage(r)))
         if not out:
             return ()
         rise = max(o.compute_s[1] - o.compute_s[0] for o in out)

@@ -11,15 +11,18 @@ contents alone, so a replay of the log decides the same. Beyond
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 from typing import Any
 
 from perfmon.agent.reducers.cuda import CudaActivity
 from perfmon.agent.reducers.iterations import Iteration, IterationClock, Totals
 from perfmon.agent.reducers.phases import PhaseAccount
+from perfmon.agent.reducers.pipeline import pipeline_figures
 from perfmon.agent.reducers.ranks import RankTimes
 from perfmon.agent.reducers.resources import Resources
 from perfmon.parsers.figures import IntervalFigures
+from perfmon.parsers.parallel_layout import ParallelLayout
 
 # How long (in record time) an interval entry waits for the samples covering it.
 PHASE_WAIT_NS = 5_000_000_000
@@ -32,13 +35,15 @@ class Intervals:
     def __init__(self, *, clock: IterationClock, phases: PhaseAccount, resources: Resources,
                  cuda: CudaActivity | None, log_interval: int, wait_for_phases: bool,
                  max_log_entries: int | None, wall_time: Any,
-                 ranks: RankTimes | None = None) -> None:
+                 ranks: RankTimes | None = None, layout: ParallelLayout | None = None
+                 ) -> None:
         self.clock, self.phases, self.resources, self.cuda = clock, phases, resources, cuda
         self.log_interval = log_interval
         self.wait_for_phases = wait_for_phases
         self.max_log_entries = max_log_entries
         self.wall_time = wall_time
         self.ranks = ranks  # multi-rank sessions: each rank's means per entry
+        self.layout = layout  # the job's stated layout: its pipeline's stages per entry
         self.entries: list[IntervalFigures] = []  # iteration_logs
         self.log_stride = 1
         self._seq: list[int] = []  # interval number of each entry
@@ -75,7 +80,10 @@ class Intervals:
         start = end - totals.step_ns
         figures.update(self.resources.interval(start, end))
         if self.ranks is not None:
-            figures["ranks"] = self.ranks.interval(end)
+            figures["ranks"] = ranks = self.ranks.interval(end)
+            micro = [i.microbatches for i in its if i.microbatches]
+            figures["pipeline"] = pipeline_figures(
+                ranks, self.layout, statistics.median_low(micro) if micro else None)
         self.resources.prune(end)
         self._pending.append((figures, start, end, len(its)))
 

@@ -73,6 +73,13 @@ HINTS = {
                                   "counts K backward passes as one update, or "
                                   "--iteration-source pyspy --iteration-variable NAME counts "
                                   "the job's own counter",
+    "ranks_without_waits": "ranks of a distributed job none of whose probed iterations "
+                           "showed a wait: their collectives block where no wait probe is "
+                           "(session_info.wait_probes lists those attached; doctor --pid): "
+                           "their wait reads 0 and their compute the whole step",
+    "ranks_without_wait_probes": "ranks whose libtorch exports no wait point the probes "
+                                 "know (doctor --pid): their waits on the process group are "
+                                 "not seen, their compute is the whole step",
     "exits_unobserved": "ranks that ended without the kernel's exit status (no process-events "
                         "connector: see the exits source's warnings)",
     "log_tails_unread": "ranks whose last output lines could not be read (stdout/stderr not "

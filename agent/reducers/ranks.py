@@ -32,6 +32,10 @@ steps a straggler is named ~8 s after it starts (half the 40-iteration window fo
 median to cross, then 5 s); the 10 % minimum effect and the 5 s keep a balanced job's
 scheduling noise out (benchmarks/steady_false_positives.py).
 
+A job whose layout has pipeline stages (perfmon.parsers.parallel_layout) compares each
+rank with its own stage's ranks only (its data-parallel replicas): a stage's compute is
+not another's, and the stages are compared as stages (perfmon.agent.reducers.pipeline).
+
 When the wait probes are sampled (perfmon.agent.measure.wait_sampling) only rows whose
 wait was probed have a compute: the window is then the probed rows among the last
 ``window``, or the last ``least`` (10) probed rows when fewer, and interval and run
@@ -48,7 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from perfmon.parsers.figures import RankFigures, StragglerEpisode
+from perfmon.parsers.figures import RankCoords, RankFigures, StragglerEpisode
 from perfmon.parsers.step_rows import StepBlock
 
 MAD_TO_SIGMA = 1.4826
@@ -119,10 +123,13 @@ HISTORY = 4096  # rows kept per rank (the minute around a fail-slow change at 15
 CUDA_MATCH_NS = 1_000_000  # a step snapshot and the row of the same Optimizer.step
 
 
-# A row's end, step, wait (0 where not probed) and whether its wait was probed, then
-# the running sums of step, wait, probed rows and their steps.
-_END, _STEP, _WAIT, _PROBED, _SUM_STEP, _SUM_WAIT, _SUM_PROBED, _SUM_PROBED_STEP = range(8)
-_COLUMNS = 8
+# A row's end, step, wait (0 where not probed), whether its wait was probed and its
+# point-to-point part, then the running sums of step, wait, probed rows, their steps and
+# the point-to-point wait.
+(_END, _STEP, _WAIT, _PROBED, _P2P,
+ _SUM_STEP, _SUM_WAIT, _SUM_PROBED, _SUM_PROBED_STEP, _SUM_P2P) = range(10)
+_COLUMNS = 10
+_SUMS = 5
 
 
 def _history() -> np.ndarray:
@@ -133,6 +140,7 @@ def _history() -> np.ndarray:
 class _Rank:
     pid: int
     rank: int | None
+    coords: RankCoords | None = None  # its place in the job's layout (stated)
     last_end: int | None = None
     cuda_sync_ns: int | None = None  # the last step snapshot's cumulative sync wait
     cuda: list[tuple[int, int]] = field(default_factory=list)  # (t, sync wait) not in a row
@@ -142,8 +150,8 @@ class _Rank:
     history: np.ndarray = field(default_factory=_history)
     kept: int = 0
     dropped: int = 0
-    base: tuple[int, int, int, int] = (0, 0, 0, 0)
-    cut: tuple[int, ...] = (0, 0, 0, 0, 0)  # totals_at the last interval
+    base: tuple[int, ...] = (0,) * _SUMS
+    cut: tuple[int, ...] = (0,) * (1 + _SUMS)  # totals_at the last interval
     cpu: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=64))
     outlying: int = 0  # evaluations in a row (negative: not outlying)
     outlying_since: int = 0  # the first of them
@@ -164,13 +172,12 @@ class _Rank:
     def waits(self) -> np.ndarray:
         return self.history[:self.kept, _WAIT]
 
-    def totals_at(self, i: int) -> tuple[int, int, int, int, int]:
-        """(rows, step, wait, probed rows, their step) summed over the rows before
-        history index ``i``."""
+    def totals_at(self, i: int) -> tuple[int, ...]:
+        """(rows, step, wait, probed rows, their step, point-to-point wait) summed over
+        the rows before history index ``i``."""
         if i == 0:
             return (self.dropped, *self.base)
-        step, wait, probed, probed_step = self.history[i - 1, _SUM_STEP:].tolist()
-        return self.dropped + i, step, wait, probed, probed_step
+        return (self.dropped + i, *self.history[i - 1, _SUM_STEP:].tolist())
 
     def at(self, t: int) -> int:
         """History index just past the rows that ended at or before ``t``."""
@@ -188,7 +195,7 @@ class _Rank:
     def rows_between(self, start_ns: int, end_ns: int) -> list[tuple[int, int, int | None]]:
         """(end, step, wait; None where not probed) of the rows kept that ended between
         the two instants."""
-        rows = self.history[self.at(start_ns - 1):self.at(end_ns), :_SUM_STEP].tolist()
+        rows = self.history[self.at(start_ns - 1):self.at(end_ns), :_P2P].tolist()
         return [(end, step, wait if probed else None) for end, step, wait, probed in rows]
 
     def probed_window(self, i: int, n: int, least: int) -> np.ndarray:
@@ -215,8 +222,7 @@ class _Rank:
             keep = max(0, min(self.kept, HISTORY, len(self.history) - k))
             drop = self.kept - keep
             if drop:
-                a, b, c, d = self.history[drop - 1, _SUM_STEP:].tolist()
-                self.base = a, b, c, d
+                self.base = tuple(self.history[drop - 1, _SUM_STEP:].tolist())
             if k > len(self.history):
                 self.history = np.zeros((k, _COLUMNS), dtype=np.int64)
             else:
@@ -263,12 +269,19 @@ class RankTimes:
     """Feed step rows, cuda snapshots and process samples of every rank."""
 
     def __init__(self, ranks: dict[int, int | None], primary_pid: int, start_t_mono_ns: int,
-                 wall_time: Callable[[int], str], rule: StragglerRule | None = None) -> None:
+                 wall_time: Callable[[int], str], rule: StragglerRule | None = None, *,
+                 coords: dict[int, RankCoords] | None = None, staged: bool = False) -> None:
+        """``coords``: pid -> its coordinates in the job's stated layout; ``staged``: the
+        layout has pipeline stages, and ranks are compared with their own stage's only
+        (a stage's compute is not another's: docs/pipeline.md)."""
         self.rule = rule or StragglerRule()
         self.primary_pid = primary_pid
         self.start_t_mono_ns = start_t_mono_ns
         self.wall_time = wall_time
-        self._ranks = {pid: _Rank(pid, rank) for pid, rank in ranks.items()}
+        self._coords = coords or {}
+        self._staged = staged
+        self._ranks = {pid: _Rank(pid, rank, self._coords.get(pid))
+                       for pid, rank in ranks.items()}
         self._primary_iterations = 0
         self.episodes: list[_Episode] = []  # stragglers, open and closed
         self._open: dict[int, _Episode] = {}  # pid -> its open episode
@@ -277,7 +290,7 @@ class RankTimes:
     def _rank(self, pid: int) -> _Rank:
         r = self._ranks.get(pid)
         if r is None:
-            r = self._ranks[pid] = _Rank(pid, None)
+            r = self._ranks[pid] = _Rank(pid, None, self._coords.get(pid))
         return r
 
     # -- feeding -------------------------------------------------------------------------
@@ -288,7 +301,7 @@ class RankTimes:
         replayed week)."""
         order = np.argsort(block.pid, kind="stable")
         pids = block.pid[order]
-        ends, waits = block.end_ns[order], block.wait_ns[order]
+        ends, waits, p2p = block.end_ns[order], block.wait_ns[order], block.p2p_wait_ns[order]
         probed = (block.waits[order] >= 0).astype(np.int64)
         starts = np.flatnonzero(np.concatenate(([True], pids[1:] != pids[:-1])))
         previous = np.concatenate((ends[:1], ends[:-1]))
@@ -311,12 +324,14 @@ class RankTimes:
         rows = np.empty((len(pids), _COLUMNS), dtype=np.int64)
         rows[:, _END], rows[:, _STEP], rows[:, _PROBED] = ends, steps, probed
         rows[:, _WAIT] = np.minimum(waits, steps) * probed
+        rows[:, _P2P] = np.minimum(p2p, rows[:, _WAIT])
         rows[:, _SUM_PROBED_STEP] = steps * probed
         # Each rank's running sums: one cumulative sum, less what came before the rank's
         # first row, plus the rank's own sums so far.
         summed = rows[:, _SUM_STEP:]
-        np.cumsum(rows[:, [_STEP, _WAIT, _PROBED, _SUM_PROBED_STEP]], axis=0, out=summed)
-        before = np.concatenate((np.zeros((1, 4), np.int64), summed[starts[1:] - 1]))
+        np.cumsum(rows[:, [_STEP, _WAIT, _PROBED, _SUM_PROBED_STEP, _P2P]], axis=0,
+                  out=summed)
+        before = np.concatenate((np.zeros((1, _SUMS), np.int64), summed[starts[1:] - 1]))
         summed += np.repeat(np.array(sums, dtype=np.int64) - before, np.diff(bounds), axis=0)
         for first, b, r in zip(firsts, bounds[1:], ranks, strict=True):
             r.last_end = max(int(ends[b - 1]), r.last_end or 0)
@@ -379,7 +394,9 @@ class RankTimes:
             ranks.append(r)
             windows.append(r.probed_window(i, rule.window, rule.least))
         current = self._medians(ranks, windows)
-        excess = self._excess(current, median_step)
+        excess: dict[int, float] = {}
+        for peers in self._peer_groups(ranks):
+            excess.update(self._excess({p: current[p] for p in peers}, median_step))
         for pid, r in self._ranks.items():
             e = excess.get(pid)
             if e is None:
@@ -415,6 +432,19 @@ class RankTimes:
                    for w in windows]
         return {r.pid: (m[0], m[1], m[2]) for r, m in zip(ranks, med, strict=True)}
 
+    def _peer_groups(self, ranks: list[_Rank]) -> list[list[int]]:
+        """The pids compared with each other: all, or each pipeline stage's (staged)."""
+        if not self._staged:
+            return [[r.pid for r in ranks]]
+        groups: dict[int | None, list[int]] = {}
+        for r in ranks:
+            groups.setdefault(r.coords.pp if r.coords is not None else None, []).append(r.pid)
+        return list(groups.values())
+
+    def stage(self, r: _Rank) -> int | None:
+        """The rank's pipeline stage (None: the layout has none, or the rank no place)."""
+        return r.coords.pp if self._staged and r.coords is not None else None
+
     def _excess(self, current: dict[int, tuple[float, float, float]],
                 median_step: float) -> dict[int, float]:
         """pid -> its excess compute (ns), for the ranks outlying now."""
@@ -435,14 +465,16 @@ class RankTimes:
         # Since the first evaluation of the run that opened it.
         since = r.outlying_since
         compute, wait, step = current[r.pid]
-        others = [v for p, v in current.items() if p != r.pid]
+        stage = self.stage(r)
+        peers = [p for p in current if self.stage(self._ranks[p]) == stage]
+        others = [v for p, v in current.items() if p != r.pid and p in peers]
         others_compute = statistics.median(c for c, _, _ in others)
         episode = _Episode(StragglerEpisode(
             pid=r.pid, rank=r.rank, since_ns=since, since=self.wall_time(since),
             detected_ns=now, detected=self.wall_time(now), compute_s=compute / 1e9,
             wait_s=wait / 1e9, step_s=step / 1e9, others_compute_s=others_compute / 1e9,
             others_wait_s=statistics.median(w for _, w, _ in others) / 1e9,
-            differs=self._differs(r.pid, list(current))), compute - others_compute)
+            differs=self._differs(r.pid, peers), stage=stage), compute - others_compute)
         self._open[r.pid] = episode
         self.episodes.append(episode)
         if len(self.episodes) > MAX_EPISODES:
@@ -486,27 +518,33 @@ class RankTimes:
         out = []
         for r in self._ranks.values():
             totals = r.totals_at(r.at(until))
-            n, step, wait, probed, probed_step = (
-                a - b for a, b in zip(totals, r.cut, strict=True))
+            since = tuple(a - b for a, b in zip(totals, r.cut, strict=True))
             r.cut = totals
-            if n:
-                out.append(self._means(r, n, step, wait, probed, probed_step))
+            if since[0]:
+                out.append(self._means(r, *since))
         return tuple(out)
 
     def _means(self, r: _Rank, *totals: int) -> RankFigures:
         """The means of totals_at's rows; wait and compute over the probed of them."""
-        n, step, wait, probed, probed_step = totals
+        n, step, wait, probed, probed_step, p2p = totals
         return RankFigures(
             pid=r.pid, rank=r.rank, iterations=n, step_s=step / n / 1e9,
             wait_s=wait / probed / 1e9 if probed else None,
+            p2p_wait_s=p2p / probed / 1e9 if probed else None,
             compute_s=(probed_step - wait) / probed / 1e9 if probed else None,
             wait_share=wait / probed_step if probed_step else None,
-            waits_probed=probed if probed < n else None, straggler=r.pid in self._open)
+            waits_probed=probed if probed < n else None, straggler=r.pid in self._open,
+            coords=r.coords)
 
     def summary(self) -> dict[int, RankFigures]:
         """pid -> the whole run's means of the ranks that ended an iteration."""
         return {r.pid: self._means(r, *r.totals_at(r.kept))
                 for r in self._ranks.values() if r.n}
+
+    def without_waits(self) -> int:
+        """The ranks with ``rule.least`` probed rows or more, none of them with a wait."""
+        return sum(1 for r in self._ranks.values()
+                   if r.n and (t := r.totals_at(r.kept))[3] >= self.rule.least and t[2] == 0)
 
     def stragglers(self) -> list[StragglerEpisode]:
         return [e.public() for e in self.episodes]

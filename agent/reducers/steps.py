@@ -8,7 +8,11 @@ compiled optimizer step, a hand-written update) ends an iteration where its firs
 ``grad_read`` after a backward pass (the probes send one an update: the first read
 of a gradient outside backward()) found an update: at that update's last backward
 pass's return, once its next backward pass confirms that no ``optimizer_step``
-followed (clipping reads the gradients just before the step). A
+followed (clipping reads the gradients just before the step). Those ends are held
+for HOLD_NS after a rank's first (``take`` leaves them out): an ``optimizer_step`` in
+that time says they were reads inside an iteration (a pipeline stage passing its input
+gradients back after each micro-batch's backward, a check between micro-batches), and
+they are dropped; else they stand (a hand-written update), from the first. A
 rank that showed neither, where the user declared the backward passes per update
 (``--microbatches K``), ends one at every K-th backward pass's return (``backward``);
 the first ``grad_read`` that comes later (K was wrong) takes over. Markers from
@@ -48,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from perfmon.parsers.events import WAIT_MARKERS
 from perfmon.parsers.step_rows import StepBlock, block_of, decode_steps
 
 UPROBE = "uprobe"
@@ -56,7 +61,10 @@ BACKWARD = "backward"  # ... by counting the declared backward passes per update
 COUNTED = "counted"  # ... by counting the backward passes per update the reads showed
 HOWS = {"grad_read": GRAD_READ}  # (else the marker: uprobe)
 LEARN_UPDATES = 16  # the same backward passes this many updates in a row: K is learnt
-WAIT_KINDS = ("wait_enter", "wait_exit")
+# A rank's first gradient-read ends wait this long (of its own record time) for an
+# optimizer_step that would make them reads inside an iteration (a pipeline's steps are
+# shorter: a step longer than this still has its first one split).
+HOLD_NS = 5_000_000_000
 
 
 @dataclass
@@ -72,8 +80,9 @@ class _Rank:
     open_since: int = 0  # union of waits: since when some thread waits
     pending_ns: int = 0  # wait of the iteration in progress (markers)
     pending_count: int = 0
-    totals: tuple[int, int] | None = None  # the latest ``waits`` (None: markers count)
-    totals_at_end: tuple[int, int] | None = None
+    # The latest ``waits`` (wait, count, point-to-point wait; None: markers count).
+    totals: tuple[int, int, int] | None = None
+    totals_at_end: tuple[int, int, int] | None = None
     last_end: int | None = None
     ends: int = 0
     stepped: bool = False  # an optimizer_step was seen: the rank's exact clock
@@ -84,6 +93,11 @@ class _Rank:
     confirmed: int = 0  # gradient reads right after a counted end, since count_by
     counted_ends: int = 0  # counted ends since the last gradient read
     synced: bool = False  # a read since count_by or recheck (the first only syncs)
+    # Its rows since its first gradient-read end, while held (None: none held, or no
+    # longer: an optimizer_step came, or HOLD_NS passed), and since when.
+    held: list[tuple[Any, ...]] | None = None  # (as rows, their how a name)
+    held_since: int = 0
+    reads_judged: bool = False  # its gradient-read ends were kept or dropped
 
 
 class StepRows:
@@ -127,7 +141,8 @@ class StepRows:
             if r.totals is None:  # from now on the totals count, not the markers
                 r.depth.clear()
                 r.open_threads = 0
-            r.totals = (record["wait_ns"], record["waits"])
+            # (p2p_wait_ns: absent in an older agent's log, none)
+            r.totals = (record["wait_ns"], record["waits"], record.get("p2p_wait_ns", 0))
             return
         t = record["t_mono_ns"]
         if t < self.start_t_mono_ns:
@@ -156,9 +171,9 @@ class StepRows:
                 self._end(record, r, t, COUNTED)
             elif (k := self.declared_microbatches) and r.backwards >= k and not r.grad_reads:
                 self._end(record, r, t, BACKWARD)
-        elif kind in WAIT_KINDS:
+        elif kind in WAIT_MARKERS:
             if r.totals is None:  # (raw waits beside the totals are already in them)
-                self._on_wait_marker(r, record["tid"], t, kind == "wait_enter")
+                self._on_wait_marker(r, record["tid"], t, kind.endswith("_enter"))
         elif kind == "grad_read":
             if not r.stepped:
                 r.grad_reads = True  # (its updates are seen: no declared count from now)
@@ -167,6 +182,9 @@ class StepRows:
                 elif r.backwards:
                     r.update = record
         elif kind == "optimizer_step":
+            if r.held is not None:  # (reads inside its iterations: no ends)
+                r.ends -= len(r.held)
+                r.held, r.reads_judged = None, True
             r.stepped, r.update = True, None
             if r.depth.get(record["tid"]):
                 r.depth[record["tid"]] = 0
@@ -247,18 +265,19 @@ class StepRows:
         if r.backward_open is not None:  # (so is a backward() open across it)
             r.backward_ns += t - r.backward_open
             r.backward_open = t
-        wait, count = r.pending_ns, r.pending_count
+        wait, count, p2p = r.pending_ns, r.pending_count, 0
         if r.totals is not None:
             if r.totals_at_end is not None and r.totals[0] >= r.totals_at_end[0]:
                 wait += r.totals[0] - r.totals_at_end[0]
                 count += max(0, r.totals[1] - r.totals_at_end[1])
+                p2p = min(wait, max(0, r.totals[2] - r.totals_at_end[2]))
             r.totals_at_end = r.totals
             if r.last_end is not None:
                 if self._was_probed(r.last_end, t):
                     self.recent.append((t - r.last_end, count))
                     self.probed_rows += 1
                 else:
-                    wait, count = 0, -1  # (the probes were off for some of it)
+                    wait, count, p2p = 0, -1, 0  # (the probes were off for some of it)
         r.last_end = t
         r.ends += 1
         name = record["name"]
@@ -269,13 +288,37 @@ class StepRows:
             r.same_k = (r.backwards, r.same_k[1] + 1 if r.same_k[0] == r.backwards else 1)
         elif how == COUNTED:
             r.counted_ends += 1
-        index = self._hows.setdefault(how, len(self._hows))
         first = r.backward_from if r.backward_from is not None else t
         last = r.backward_to if r.backward_to is not None and r.backward_to >= first else first
-        self._rows.append((record["pid"], t, r.backwards if r.backward_seen else -1, wait,
-                           count, index, r.backward_ns, first, last))
+        row = (record["pid"], t, r.backwards if r.backward_seen else -1, wait, count, how,
+               r.backward_ns, first, last, p2p)
+        if how == GRAD_READ and not r.reads_judged and r.held is None:
+            r.held, r.held_since = [], t
+        if r.held is None:
+            self._add(row)
+        else:
+            r.held.append(row)
+            if t - r.held_since >= HOLD_NS:
+                self._release(r)
         r.backwards, r.pending_ns, r.pending_count, r.backward_ns = 0, 0, 0, 0
         r.backward_from = r.backward_to = None
+
+    def _add(self, row: tuple[Any, ...]) -> None:
+        """A row for the next block (its how, a name, made the block's index)."""
+        index = self._hows.setdefault(row[5], len(self._hows))
+        self._rows.append((*row[:5], index, *row[6:]))
+
+    def _release(self, r: _Rank) -> None:
+        """The rank's held rows stand (no optimizer_step came)."""
+        if r.held is not None:
+            for row in r.held:
+                self._add(row)
+            r.held, r.reads_judged = None, True
+
+    @property
+    def holding(self) -> bool:
+        """Whether some rank's rows are held."""
+        return any(r.held is not None for r in self._ranks.values())
 
     def feed_poll(self, records: list[dict[str, Any]], raw_markers: bool
                   ) -> list[dict[str, Any]]:
@@ -287,13 +330,17 @@ class StepRows:
             kind = record["type"]
             if kind in RowSource.INPUTS:
                 self.feed(record)
-                if kind == "waits" or not (raw_markers or record["kind"] in WAIT_KINDS):
+                if kind == "waits" or not (raw_markers or record["kind"] in WAIT_MARKERS):
                     continue
             logged.append(record)
         return logged
 
-    def take(self) -> StepBlock | None:
-        """The rows made since the last call, as one block (None: none)."""
+    def take(self, final: bool = False) -> StepBlock | None:
+        """The rows made since the last call, as one block (None: none); ``final``: the
+        window's end, and rows held stand."""
+        if final:
+            for r in self._ranks.values():
+                self._release(r)
         if not self._rows:
             return None
         rows, self._rows = self._rows, []
@@ -321,10 +368,11 @@ class RowSource:
     def take_before(self, kind: str) -> StepBlock | None:
         """The block of the rows made so far, to reduce before a record of type ``kind``
         (None: none, or ``kind`` is one rows are made of)."""
-        if not self.pending or kind in self.INPUTS:
+        final = kind == "session_end"
+        if not (self.pending or (final and self.rows.holding)) or kind in self.INPUTS:
             return None
         self.pending = False
-        return self.rows.take()
+        return self.rows.take(final)
 
 
 class RecordDispatch:

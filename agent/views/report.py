@@ -233,6 +233,34 @@ def _rank_rows(run: Run) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _pipeline_html(run: Run, suffix: str) -> list[str]:
+    """A pipeline job's bubble against the schedule's, its slow stage and its stages
+    (docs/pipeline.md); nothing for a job with no stages."""
+    p = run.stats.get("pipeline")
+    if not isinstance(p, dict):
+        return []
+    line = (f"{_text(p.get('stages'))} stages, {_text(p.get('microbatches'))} micro-batches: "
+            f"bubble {fmt(p.get('bubble_fraction'), '.1%')} measured against "
+            f"{fmt(p.get('ideal_bubble_fraction'), '.1%')} for the schedule "
+            "((p - 1) / (v m + p - 1)). ")
+    if p.get("slow_stage"):
+        line += (f"Stage {_text(p.get('bounding_stage'))} bounds the pipeline: it computes "
+                 f"{fmt(p.get('bounding_excess_ms'), '.1f', ' ms')} a step "
+                 f"({fmt(p.get('bounding_excess_per_microbatch_ms'), '.1f', ' ms')} a "
+                 "micro-batch) more than the other stages' median.")
+    else:
+        line += "No stage bounds it beyond the rule (10% of the others' compute)."
+    stages = [s for s in p.get("per_stage") or [] if isinstance(s, dict)]
+    rows = ([_text(s.get("stage")), _text(",".join(map(str, s.get("ranks") or []))),
+             fmt(s.get("avg_step_time_ms"), ".2f"), fmt(s.get("avg_compute_ms"), ".2f"),
+             fmt(s.get("avg_bubble_ms"), ".2f"), fmt(s.get("avg_collective_wait_ms"), ".2f"),
+             fmt(s.get("bubble_share"), ".1%")] for s in stages)
+    return ["<h3>Pipeline stages</h3>", f'<p id="pipeline{suffix}">{line}</p>',
+            _table(rows, ["stage", "ranks", "step ms", "compute ms", "bubble ms",
+                          "collective wait ms", "bubble share"],
+                   f"pipeline-table{suffix}", {0, 2, 3, 4, 5, 6})]
+
+
 def quality_notes(run: Run) -> list[str]:
     info, stats = run.info, run.stats
     notes = [f"loss: {line}" for line in _losses(run)]
@@ -309,6 +337,7 @@ def _section(run: Run, index: int, count: int, page_folder: Path | None = None
     header, rows = _rank_rows(run)
     parts.append("<h3>Ranks</h3>")
     parts.append(_table(rows, header, f"ranks-table{suffix}", {0, 1, 3, 4}))
+    parts += _pipeline_html(run, suffix)
     parts.append(_incidents_html(run, suffix, page_folder))
     parts.append("<h3>Data quality</h3>")
     notes = quality_notes(run)

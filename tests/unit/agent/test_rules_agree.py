@@ -7,6 +7,7 @@ fails here until the other follows.
   ``slow_host``): 1.4826, k, min_share, min_ms, SPREAD_HOSTS.
 - PerfmonRankStraggler's comment: StragglerRule's hold and hold_s.
 - PerfmonJobHung's comment: AttachOptions' hang_factor and hang_timeout_s.
+- PerfmonPipelineStageBound: StageRule's min_share.
 - PerfmonFailSlow reads the agent's own judgement (perfmon_fail_slow_ratio, present
   only while an episode is open); its bound must not hide an episode FailSlowRule opens.
 
@@ -23,6 +24,7 @@ import pytest
 import yaml
 from perfmon.agent.options import AttachOptions
 from perfmon.agent.reducers.failslow import FailSlowRule
+from perfmon.agent.reducers.pipeline import StageRule
 from perfmon.agent.reducers.ranks import MAD_TO_SIGMA, SPREAD_HOSTS, StragglerRule
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -144,3 +146,9 @@ def test_across_hosts_finds_none_among_balanced_or_noisy_hosts_or_one_host() -> 
                              150.0) is None
     assert RULE.across_hosts({"a": 100}, 150.0) is None
     assert RULE.across_hosts({}, 150.0) is None
+
+
+def test_the_stage_bound_alert_is_the_stage_rules_share() -> None:
+    [bound] = _numbers("PerfmonPipelineStageBound")
+    assert ">" in _rules()["PerfmonPipelineStageBound"]["expr"]
+    assert bound == StageRule().min_share

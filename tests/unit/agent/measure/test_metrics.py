@@ -28,6 +28,8 @@ from perfmon.parsers.figures import (
     Goodput,
     GoodputLedger,
     IntervalFigures,
+    PipelineFigures,
+    RankCoords,
     RankFigures,
     Statistics,
 )
@@ -62,13 +64,18 @@ def names_with(samples: dict[tuple[str, Labels], float], **labels: str) -> set[s
     return {name for name, lbls in samples if want <= lbls}
 
 
-RANKS = (RankFigures(pid=4242, rank=0, compute_s=0.10, wait_s=0.10, straggler=False),
-         RankFigures(pid=4243, rank=1, compute_s=0.15, wait_s=0.05, straggler=True))
+# (a pipeline of two stages: rank 1 is stage 1)
+RANKS = (RankFigures(pid=4242, rank=0, compute_s=0.10, wait_s=0.10, p2p_wait_s=0.08,
+                     straggler=False, coords=RankCoords(dp=0, pp=0)),
+         RankFigures(pid=4243, rank=1, compute_s=0.15, wait_s=0.05, p2p_wait_s=0.04,
+                     straggler=True, coords=RankCoords(dp=0, pp=1)))
+PIPELINE = PipelineFigures(stages=2, microbatches=8, bubble=0.2, ideal_bubble=1 / 9,
+                           bounding_stage=1, excess_s=0.05, excess_share=0.5, slow=True)
 ENTRY = IntervalFigures(
     iteration=20, timestamp="2026-12-05T10:00:00+00:00", step_s=0.2, tokens_per_s=5120.0,
     samples_per_s=40.0, flops_per_gpu=120e12, mfu=0.3, memory_bytes=2.5 * GIB,
     gpu_utilization=0.87, gpu_power_w=310.0,
-    gpu_throttle_reasons=("sw_power_cap", "hw_slowdown"), ranks=RANKS)
+    gpu_throttle_reasons=("sw_power_cap", "hw_slowdown"), ranks=RANKS, pipeline=PIPELINE)
 UNKNOWN = IntervalFigures(iteration=30, timestamp="2026-12-05T10:00:10+00:00", step_s=0.024,
                           flops_per_gpu=None, tokens_per_s=None, samples_per_s=None,
                           memory_bytes=None)
@@ -450,3 +457,18 @@ def test_every_metric_is_documented() -> None:
 
 
 # -- a real Prometheus --------------------------------------------------------------------------
+
+
+def test_a_pipelines_stages_and_each_ranks_coordinates(metrics: Metrics) -> None:
+    feed(metrics)
+    s = exposed(metrics)
+    assert value(s, "perfmon_pipeline_bubble_ratio", **LLAMA) == 0.2
+    assert value(s, "perfmon_pipeline_ideal_bubble_ratio", **LLAMA) == pytest.approx(1 / 9)
+    assert value(s, "perfmon_pipeline_bounding_stage", **LLAMA) == 1
+    assert value(s, "perfmon_pipeline_bounding_excess_ratio", **LLAMA) == 0.5
+    assert value(s, "perfmon_rank_p2p_wait_seconds", rank="1", **LLAMA) == 0.04
+    assert value(s, "perfmon_rank_info", rank="1", dp="0", pp="1", tp="0", cp="0", ep="0",
+                 **LLAMA) == 1
+    # An interval of no pipeline: its series go.
+    metrics.interval("llama", replace(ENTRY, pipeline=None))
+    assert value(exposed(metrics), "perfmon_pipeline_bubble_ratio", **LLAMA) is None

@@ -74,7 +74,7 @@ def test_counted_updates_stay_one_end_each_and_a_changed_count_is_found(
         if when != 0:
             sampling.schedule(t)
     ends = []
-    steps = rows.take()
+    steps = rows.take(final=True)  # (the stream's end: rows held stand)
     if steps is not None:
         ends = steps.end_ns.tolist()
     closed = [(a, b) for a, b in gaps if b is not None]

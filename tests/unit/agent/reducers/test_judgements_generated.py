@@ -44,8 +44,8 @@ def _summarized(case: Case) -> tuple[dict, list[dict]]:
     fed = stream(case, START_NS)
     summarizer = Summarizer.from_facts({**session_facts(), "started_by": "attach",
                                         "step_rows": True})
-    rows = [(PID, fed.first_end_ns, -1, 0, 0, 0, 0, 0, 0)]
-    rows += [(PID, end, -1, 0, 0, 0, 0, 0, 0) for end in fed.ends]
+    rows = [(PID, fed.first_end_ns, -1, 0, 0, 0, 0, 0, 0, 0)]
+    rows += [(PID, end, -1, 0, 0, 0, 0, 0, 0, 0) for end in fed.ends]
     hangs = sorted(fed.hangs)
     second = START_NS
     while rows:

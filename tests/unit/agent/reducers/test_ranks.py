@@ -53,7 +53,7 @@ def test_a_straggler_is_named_from_sampled_waits_alone():
                 probed = i % 8 == 0
                 wait = (10 if pid == 3 else 40) * MS if probed else 0
                 rows.append((pid, i * 100 * MS, 1, wait, 5 if probed else -1, 0, 0,
-                             i * 100 * MS, i * 100 * MS))
+                             i * 100 * MS, i * 100 * MS, 0))
         ranks.on_rows(decode_steps(Steps.encode(rows[0][1], rows, ["uprobe"]).to_record()))
         for k in range(10):
             ranks.on_primary_iteration((block * 10 + k) * 100 * MS)

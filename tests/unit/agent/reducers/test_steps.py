@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from perfmon.agent.reducers.ranks import RankTimes
-from perfmon.agent.reducers.steps import StepRows
+from perfmon.agent.reducers.steps import HOLD_NS, StepRows
 
 PID = 7
 MS = 1_000_000
@@ -57,7 +57,7 @@ def _ends(markers: list[dict[str, Any]], start: int, declared: int | None) -> li
     rows = StepRows(start, declared)
     for m in markers:
         rows.feed(m)
-    block = rows.take()
+    block = rows.take(final=True)
     if block is None:
         return []
     return block.end_ns.tolist()
@@ -153,3 +153,43 @@ def test_rows_outside_the_probed_windows_have_their_wait_unmeasured_and_the_mean
     assert means.step_s == pytest.approx(0.1) and means.wait_s == pytest.approx(0.01)
     assert means.compute_s == pytest.approx(0.09) and means.wait_share == 0.1
     assert ranks.all()[0].recent == [(100 * MS, 100 * MS, 10 * MS), (400 * MS, 100 * MS, 10 * MS)]
+
+
+def _micro_batches(t: int, micro: int, step_ms: int) -> tuple[list[dict[str, Any]], int]:
+    """A pipeline stage's step: each micro-batch's backward, then a read of its input's
+    gradient (sent back to the previous stage); ``t`` after it."""
+    out, q = [], step_ms * MS // (2 * micro)
+    for _ in range(micro):
+        out += [_marker(t, "backward_enter"), _marker(t + q // 2, "backward_exit"),
+                _marker(t + q, "grad_read")]
+        t += 2 * q
+    return out, t
+
+
+@pytest.mark.parametrize("step_ms", [20, 400, 4000])
+def test_gradient_reads_inside_a_pipelines_steps_end_no_iteration(step_ms):
+    # Reads between micro-batches look like updates until the step's Optimizer.step:
+    # held, then dropped; every end is a step's.
+    rows, t, steps = StepRows(0), 0, []
+    for _ in range(5):
+        markers, t = _micro_batches(t, 8, step_ms)
+        for m in [*markers, _marker(t, "optimizer_step", "Optimizer.step#SGD.step")]:
+            rows.feed(m)
+        steps.append(t)
+        t += MS
+    block = rows.take(final=True)
+    assert block is not None and block.end_ns.tolist() == steps
+
+
+def test_a_hand_written_updates_gradient_read_ends_stand_from_the_first():
+    # No Optimizer.step within HOLD_NS: the held ends stand, the first one included,
+    # once they have waited (or at the window's end).
+    rows, t, ends = StepRows(0), 0, []
+    while t < HOLD_NS + 2_000 * MS:
+        markers, t = _micro_batches(t, 1, 100)
+        for m in markers:
+            rows.feed(m)
+        ends.append(markers[1]["t_mono_ns"])  # (at its backward's return)
+    taken = rows.take()
+    assert taken is not None and taken.end_ns.tolist() == ends[:-1]  # (the last: unconfirmed)
+    assert rows.take(final=True) is None
