@@ -46,6 +46,7 @@ from perfmon.agent.record.trace import TraceBuilder
 from perfmon.agent.reducers import Summarizer
 from perfmon.parsers.figures import FailSlowEvent, StragglerEpisode, render, scaled
 from perfmon.probes.background import BackgroundCalls
+from perfmon.probes.errors import NoSuchProcess
 from perfmon.probes.procfs import TargetProcess, is_running
 from perfmon.probes.pyspy import dump_stacks
 
@@ -245,6 +246,9 @@ def _dump_live(targets: list[TargetProcess], cancel: Any = None) -> dict[str, An
         try:
             out[str(target.pid)] = {"rank": target.rank, "threads": [
                 asdict(t) for t in dump_stacks(target.pid, timeout_s=10, cancel=cancel)]}
+        except NoSuchProcess:
+            # (it exited as it was read: a launcher stops the other ranks when one fails)
+            out[str(target.pid)] = {"exited": True}
         except Exception as err:  # (one rank's failure is its entry, not the bundle's)
             out[str(target.pid)] = {"rank": target.rank, "error": str(err).splitlines()[0]}
     return out

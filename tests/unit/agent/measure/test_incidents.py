@@ -69,3 +69,20 @@ def test_a_bundle_holds_the_latest_nvml_sample_of_the_jobs_gpus(tmp_path: Path) 
     assert gpus["available"] and gpus["t_mono_ns"] == 2 * S and gpus["job_processes_seen"]
     assert gpus["gpus"] == [{"index": 0, "utilization_gpu_pct": 90,
                              "process_memory_bytes": {"4242": 2 << 30}}]
+
+
+def test_a_rank_that_exits_while_its_stacks_are_read_is_an_exited_rank(monkeypatch) -> None:
+    # (a launcher stops the other ranks when one fails: seen on torchrun's restart, the
+    # rank alive when the bundle began and gone when py-spy read it)
+    import os
+
+    from perfmon.agent.measure import incidents
+    from perfmon.probes.errors import NoSuchProcess
+    from perfmon.probes.procfs import TargetProcess
+
+    def gone(pid: int, **_: object) -> list:
+        raise NoSuchProcess(f"pid {pid}: no such process (py-spy dump)")
+
+    me = TargetProcess(os.getpid(), "python", [], {}, "", 0.0)  # (alive: this process)
+    monkeypatch.setattr(incidents, "dump_stacks", gone)
+    assert incidents._dump_live([me]) == {str(me.pid): {"exited": True}}
