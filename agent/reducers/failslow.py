@@ -49,8 +49,9 @@ time, against a level that follows the job and a baseline, its healthy pace
 - Healthy, a confirmed rise is a ``fail_slow`` event (before: the level); a
   confirmed fall is a new pace (a job that sped up), no event. Slow, every confirmed
   change is an event, found as a rise is: a further rise is another ``fail_slow``; a
-  fall back within d of the baseline (or below it) is ``recovered``; a fall to a
-  level still d or more above the baseline but nearer it than the episode's level
+  fall back within d of the baseline (or below it), or one not every block since is d
+  or more above, is ``recovered``; a fall to a level still d or more above the baseline,
+  every block since too (a creep's evidence), but nearer it than the episode's level
   (more than half of the rise undone, in log terms) is ``recovered_partly``: the
   episode closes and the healthy pace starts again from the new level (a host a
   little busier than before), the event saying where the job runs against the old
@@ -399,8 +400,13 @@ class FailSlow:
             self._healthy.clear()
             self._at_pace(after, recent)
             return
-        elif above < threshold:
-            kind = "recovered"  # back within d of the baseline, or faster
+        elif above < threshold or min(math.log(m / self.baseline) for m in recent) < threshold:
+            # Back within d of the baseline, or faster; or some of the blocks since the fall
+            # are: a job still slower than its baseline is one whose every block since is
+            # d or more above it (the evidence a creep needs, _drift). On a node whose load
+            # comes and goes, a baseline of its first quiet seconds is no healthy pace
+            # to fall short of.
+            kind = "recovered"
         elif above < math.log(before / after):
             kind = "recovered_partly"  # nearer the baseline than the episode's level
         else:

@@ -140,3 +140,52 @@ def test_a_job_that_speeds_up_after_warm_up_rebaselines_without_an_event():
     (event,) = shown(fail)
     assert event["event"] == "fail_slow" and event["before_step_time_ms"] == pytest.approx(
         100, rel=0.05)
+
+
+def _bursty_run(seed: int, busy: float, busy_s: float, quiet_s: float) -> list[dict[str, Any]]:
+    """A GPU job's 124 ms steps (2% noise) on a node whose load comes and goes: the steps
+    ``busy`` longer while it is busy, busy and quiet spells of exponential lengths
+    (means ``busy_s``, ``quiet_s``); 30% slower from 17 to 32 s and from 47 to 62 s
+    after its first step seen at 2.5 s (the scenario of tests/e2e/test_fail_slow.py)."""
+    rng = random.Random(seed)
+    fail = FailSlow(str)
+    t, is_busy = int(2.5e9), False
+    switch = t + int(rng.expovariate(1 / quiet_s) * 1e9)
+    while t < 80e9:
+        if t >= switch:
+            is_busy = not is_busy
+            switch = t + int(rng.expovariate(1 / (busy_s if is_busy else quiet_s)) * 1e9)
+        slow = any(a * 1e9 <= t < b * 1e9 for a, b in SLOW_30)
+        step = int(124 * MS * (1.3 if slow else 1) * (1 + rng.gauss(0, 0.02))
+                   * (1 + busy if is_busy else 1))
+        t += step
+        fail.on_iteration(t, step)
+    fail.resolve([], True)
+    return shown(fail)
+
+
+SLOW_30 = ((17, 32), (47, 62))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("busy_s", "quiet_s"), [(2, 6), (5, 5), (8, 4)])
+def test_the_end_of_a_slowdown_on_a_node_whose_load_comes_and_goes_is_a_recovery(
+        busy_s: float, quiet_s: float) -> None:
+    # (issue 51: on a busy CI node the first slowdown's end was no `recovered`: the baseline
+    # was the median of the 3 blocks of the first seconds, quiet ones, and the job came
+    # back to a pace that was 3.1% above them half of the time: `recovered_partly`, though
+    # some of its blocks since were back at the baseline)
+    missed = []
+    for seed in range(40):
+        events = _bursty_run(seed, 0.03, busy_s, quiet_s)
+        for a, b in SLOW_30:
+            slow = [e for e in events if e["event"] == "fail_slow"
+                    and abs(e["t_mono_ns"] - a * 1e9) < 5e9]
+            back = [e for e in events if e["event"] == "recovered"
+                    and abs(e["t_mono_ns"] - b * 1e9) < 5e9
+                    and e["detected_mono_ns"] - b * 1e9 <= 15e9]
+            if len(slow) != 1 or len(back) != 1:
+                missed.append((seed, a, events))
+    # (the load 8 s busy for 4 s quiet: in one run of 40 the job came back at +3% for
+    # every block of 10 s, a node busier than in the first seconds: `recovered_partly`)
+    assert len(missed) <= (1 if busy_s > quiet_s else 0), missed
