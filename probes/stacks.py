@@ -28,7 +28,10 @@ from perfmon.probes.sampler import Source, monotonic_ns
 
 # Reads of the job's own counter: a few at the start (a read racing the
 # increment is off by one; reads late in a step and the most frequent offset
-# win), then one a minute to notice a resumed or restarted loop. When the
+# win), then one a minute to notice a resumed or restarted loop. Until a read finds
+# it, the spacing doubles after those few (read_spacing_ns): a job seen from its
+# process start may take a minute to import, load and build before its loop holds a
+# counter (17 s under load, where the few quick reads all came before it). When the
 # counter counts iterations (py-spy mode) it is read every COUNTING_SPACING_NS
 # (a read costs py-spy ~10 ms of CPU), as long as the job turns out to have one.
 JOB_ITERATION_READS = 5
@@ -45,6 +48,19 @@ READ_HOLD_MAX_NS = 2_000_000_000
 # sampling periods: parsers/sampled_iterations.py). py-spy's CPU nearly doubles with it
 # (docs/pyspy.md, "Overhead"), for as long as no counter is found.
 COUNTING_RATE_HZ = 200
+
+
+def read_spacing_ns(reads: int, found: bool) -> int:
+    """The time to the next read of the job's counter after ``reads`` of them (``found``:
+    one found it): JOB_ITERATION_READS quick ones, then once a minute when found; not
+    found, twice the last spacing each time up to a minute (a loop that starts late is
+    still read within about as long as it took to start)."""
+    if reads < JOB_ITERATION_READS:
+        return JOB_ITERATION_SPACING_NS
+    if found:
+        return JOB_ITERATION_REFRESH_NS
+    doublings = min(reads - JOB_ITERATION_READS + 1, 16)
+    return min(JOB_ITERATION_REFRESH_NS, JOB_ITERATION_SPACING_NS << doublings)
 
 
 class StackSource(Source):
@@ -123,10 +139,8 @@ class StackSource(Source):
                                                    or self._reads < JOB_ITERATION_READS)
             if self.clock is not None and not counting:
                 self.clock.expect_counter = False  # no counter: ends from the samples alone
-            spacing = (COUNTING_SPACING_NS if counting
-                       else JOB_ITERATION_SPACING_NS if self._reads < JOB_ITERATION_READS
-                       else JOB_ITERATION_REFRESH_NS)
-            self._next_read_ns = now + spacing
+            self._next_read_ns = now + (COUNTING_SPACING_NS if counting else read_spacing_ns(
+                self._reads, self._counter_found))
         if self.clock is not None:
             self.clock.feed(main)
             records += [Marker(t, self.primary.pid, self.primary.pid, "optimizer_step",
