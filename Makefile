@@ -20,6 +20,10 @@ DEMO_OUT ?= outputs/demo
 # The CPU build of PyTorch: a plain `torch` would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 DEB_PACKAGES := bpfcc-tools python3-bpfcc python3-venv python3-dev gcc make libc6-dev
+# The suite's workers (pytest-xdist, a test file each at a time): most e2e tests wait on
+# real jobs' wall-clock seconds, so more workers than cores; the pure tests are CPU-bound.
+TEST_WORKERS ?= 4
+FAST_WORKERS ?= 2
 # What the tests run for real: a Prometheus server (and promtool), headless
 # Chromium for the HTML report, systemd-analyze for the unit, tmux for `top`, sudo
 # for `run` started the way users start it, Slurm (its controller, node daemon and
@@ -111,7 +115,8 @@ setup-test-system:
 test: setup setup-test-system
 	$(PY) -m pip install -q -e ".[demo,test]"
 	$(MAKE) lint typecheck
-	PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1} $(PY) -m pytest -q --durations=25 tests
+	PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1} $(PY) -m pytest -q --durations=25 \
+	  -n $(TEST_WORKERS) --dist loadfile tests
 
 # tests/unit holds the tests that start no process (no agent, no training job, no eBPF):
 # about 40 s on 2 cores; the few marked slow are left to `make test`.
@@ -119,7 +124,7 @@ test-fast:
 	@$(PY) -c "import pytest, hypothesis, perfmon.agent" 2>/dev/null || { echo \
 	  "test-fast: $(PY) lacks the test tools: run make test once, or make setup-venv and then $(PY) -m pip install -e '.[demo,test]'"; \
 	  exit 1; }
-	$(PY) -m pytest -q -m "not slow" tests/unit
+	$(PY) -m pytest -q -m "not slow" -n $(FAST_WORKERS) tests/unit
 
 # The summary's TypedDicts (agent/record/summary_types.py), written from its schema.
 summary-types:

@@ -22,6 +22,8 @@ import pytest
 from tests.fakes.build import FakeNvml, build_fake_nvml
 from tests.fakes.build_cuda import FakeCudaLibraries, build_fake_cuda
 
+pytest_plugins = ["tests.time_guard"]
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_GPT = ROOT / "tests" / "targets" / "train_gpt.py"
 # A GPU job's stand-in for the tests whose truth is the job's pace (fail-slow, goodput):
@@ -32,6 +34,14 @@ TRAIN_GPT = ROOT / "tests" / "targets" / "train_gpt.py"
 DEVICE_JOB = ("--num-layers", "1", "--hidden-size", "64", "--seq-length", "16",
               "--micro-batch-size", "1", "--optimizer", "sgd", "--device-ms", "120")
 SUMMARY_SCHEMA = json.loads((ROOT / "parsers" / "data" / "perf_summary.schema.json").read_text())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files with a long test first (pytest.mark.long): each runs whole on one worker
+    (--dist loadfile), and a long one started last would be the run's tail. A file's
+    tests stay together, so its module-scoped jobs start once."""
+    long_files = {item.path for item in items if item.get_closest_marker("long")}
+    items.sort(key=lambda item: item.path not in long_files)
 
 
 @pytest.fixture(scope="session")
@@ -203,6 +213,10 @@ class Agent:
 
     def start(self, *args: str, env: dict[str, str] | None = None,
               prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        if args[:1] in (("attach",), ("run",)) and "--metrics-address" not in args:
+            # (the default port is one per host: the agents of tests running beside this
+            # one would take it, and its "in use" warning is not this test's)
+            args = (args[0], "--metrics-address", "off", *args[1:])
         proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "perfmon.agent.cli", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -78,6 +78,7 @@ def _summary(out_dir):
         return None
 
 
+@pytest.mark.long(reason="30 steps or more in py-spy mode, at the job's own pace")
 def test_pyspy_mode_mean_step_time_matches_the_targets_own_timestamps(
     start_target, agent, out_dir
 ):
@@ -111,6 +112,7 @@ def test_pyspy_mode_mean_step_time_matches_the_targets_own_timestamps(
     assert stats["avg_step_time_ms"] == pytest.approx(truth_ms, rel=0.02)
 
 
+@pytest.mark.long(reason='110 steps or more of a job in py-spy mode: a miss of 1% is one step')
 @pytest.mark.parametrize("counter", [True, False], ids=["job_counter", "no_counter"])
 def test_pyspy_mode_counts_every_step_though_the_optimizer_step_is_too_short_to_sample(
     start_target, agent, out_dir, counter

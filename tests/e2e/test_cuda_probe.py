@@ -178,6 +178,7 @@ def assert_each_is_one_iteration(pairs: list[tuple[CudaCounters, CudaCounters]],
     assert max(per_call_slack_ns) < 20_000_000  # (a descheduled thread on a busy VM)
 
 
+@pytest.mark.long(reason="the fake CUDA job's scripted calls over enough steps to compare each")
 @pytest.mark.usefixtures("ebpf")
 def test_counter_deltas_between_the_targets_step_stamps_equal_its_scripted_calls(
     start_target, fake_cuda

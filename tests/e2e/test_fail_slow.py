@@ -34,6 +34,10 @@ from tests.conftest import (
     load_summary,
 )
 
+pytestmark = pytest.mark.long(reason=("one scenario of 173 s of a job's life: four injected "
+                                      "changes, each sustained for the rule's 10-25 s over 2 s "
+                                      "blocks"))
+
 MS = 1_000_000
 # Seconds after the job's first iteration (the agent attaches ~2 s after it): two
 # slowdowns of 30% for 15 s from 15 and 45 s after attach (the first before the baseline

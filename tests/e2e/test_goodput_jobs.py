@@ -43,6 +43,9 @@ from tests.conftest import (
 from tests.prom import free_port, get
 from tests.traces import trace_events
 
+pytestmark = pytest.mark.long(reason=("jobs side by side for ~2 min: a 25 s stall, a 40 s "
+                                      "slowdown, a torchrun rank killed and restarted"))
+
 HANG_AT, HANG_S = 100, 25.0
 # Seconds after training started: 60% longer for 40 s, then 4% above the old pace.
 SLOW = (15, 55, 0.6, 0.04)

@@ -25,6 +25,9 @@ from tests.conftest import ROOT, Target, load_summary
 TRAIN_PIPELINE = ROOT / "tests" / "targets" / "train_pipeline.py"
 SLOW_MS = 30.0
 
+pytestmark = pytest.mark.long(reason=("real torchrun pipelines, each long enough for its stages' "
+                                      "medians and a straggler episode"))
+
 
 @dataclass
 class Truth:

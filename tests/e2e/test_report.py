@@ -178,6 +178,7 @@ def test_the_console_check_sees_a_script_error(tmp_path: Path):
     assert any("Uncaught Error: boom" in line for line in _console_errors(done.stderr))
 
 
+@pytest.mark.long(reason='a run long enough to be downsampled')
 def test_a_long_run_is_downsampled_and_says_so(tmp_path: Path):
     log = eventlogs.write_log(tmp_path / "perf_events_long.msgpack", 50_000)
     page_path = tmp_path / "long.html"

@@ -44,6 +44,8 @@ def test_torchrun_job_exits_0_and_both_ranks_are_watched_from_their_first_iterat
     assert "perf summary" in done.stderr and done.stdout.count("iteration 50") == 2
 
 
+@pytest.mark.long(reason=("400 iterations of a job slow from its first: the fail-slow warm-up and "
+                          "baseline"))
 def test_a_job_slow_from_its_first_iteration_gets_no_fail_slow_event_from_its_warm_up(
         agent, out_dir: Path, tmp_path: Path) -> None:
     """Watched from its first iteration, a job's warm-up (its first, slower steps) is no

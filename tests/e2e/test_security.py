@@ -36,7 +36,10 @@ TIMEOUT_S = 60
 
 @contextmanager
 def ordinary_user(name: str) -> Iterator[pwd.struct_passwd]:
-    """An ordinary user (created for the test run and removed after, unless it was there)."""
+    """An ordinary user (created for the test run and removed after, unless it was there);
+    its name is the worker's own when the suite runs in parallel (pytest-xdist), so that
+    no worker removes a user another one's jobs run as."""
+    name += os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
     created = False
     try:
         user = pwd.getpwnam(name)

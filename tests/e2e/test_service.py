@@ -202,6 +202,8 @@ def jobs(tmp_path: Path) -> Iterator[Jobs]:
     started.reap()
 
 
+@pytest.mark.long(reason=("two torchrun jobs found, measured and finalized by the node service, "
+                          "one after the other"))
 def test_a_torchrun_job_and_a_second_one_are_found_attached_measured_and_finalized(
         service: Service, jobs: Jobs, tmp_path: Path) -> None:
     prometheus = Prometheus(tool("prometheus"), tmp_path, [f"127.0.0.1:{service.port}"])

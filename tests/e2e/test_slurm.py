@@ -33,7 +33,9 @@ from tests.e2e.test_security import job_user  # noqa: F401  (the unprivileged jo
 from tests.e2e.test_service import Service
 from tests.prom import free_port
 
-pytestmark = pytest.mark.usefixtures("ebpf")
+pytestmark = [pytest.mark.usefixtures("ebpf"),
+              pytest.mark.long(reason=("real slurmctld, slurmd and munged started, and jobs run "
+                                       "through them"))]
 
 TAG = f"slurm-test-{uuid.uuid4().hex[:8]}"
 CLUSTER = f"perfmon{uuid.uuid4().hex[:6]}"  # a variable the agent must not store

@@ -204,6 +204,8 @@ def assert_counts_the_jobs_clock(info: dict[str, Any], stats: dict[str, Any],
     return info["total_iterations"], len(truth), stats["avg_step_time_ms"], true_ms
 
 
+@pytest.mark.long(reason=("the node service finds an mp.spawn job, waits for its ranks and follows "
+                          "them to their end"))
 @pytest.mark.parametrize("setup_s", [0, 5])
 def test_serve_finds_an_ordinary_users_mp_spawn_job_and_its_two_children_are_the_ranks(
         tmp_path: Path, job_user: pwd.struct_passwd, setup_s: int) -> None:  # noqa: F811
@@ -259,6 +261,7 @@ def test_serve_finds_an_ordinary_users_mp_spawn_job_and_its_two_children_are_the
     assert "cannot attach" not in log and log.count("attaching to") == len(job["segments"])
 
 
+@pytest.mark.long(reason='a parent watched alone for seconds before it spawns its ranks')
 def test_run_watches_the_children_once_a_parent_watched_alone_spawns_them(
         agent, out_dir: Path, tmp_path: Path) -> None:
     """The parent maps PyTorch and prepares for 4 s before mp.spawn: `run` watches it as

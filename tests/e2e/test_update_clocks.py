@@ -49,6 +49,7 @@ def _attach(start_target, agent, out_dir: Path, job_args: tuple[str, ...], secon
     return load_summary(out_dir), target, run
 
 
+@pytest.mark.long(reason="a compiled optimizer's first steps compile for tens of seconds on CPU")
 @pytest.mark.parametrize("shape", SHAPES)
 def test_each_update_is_one_iteration_exact_to_the_jobs_own_clock(
         shape, start_target, agent, out_dir):
