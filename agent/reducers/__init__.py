@@ -335,6 +335,10 @@ class Summarizer:
         derived = {"iterations": self.clock.quality()}
         if self.workload.world_size > 1:  # (a distributed job: its ranks wait on each other)
             derived["waits"] = {"ranks_without_waits": self.ranks.without_waits()}
+        if self.goodput.previous is not None:  # (a restart: the iterations redone counted?)
+            known = (self.clock.job.offset is not None
+                     and self.goodput.previous.get("last_job_iteration") is not None)
+            derived["goodput"] = {"restart_redone_unknown": 0 if known else 1}
         quality, losses = self.quality.summary(derived)
         resources = self.resources.summary()
         cuda = self.cuda.summary() if self.cuda is not None else {}

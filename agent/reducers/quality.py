@@ -28,6 +28,9 @@ HINTS = {
     "events_dropped": "the ring buffer overflowed: events were lost (the agent was starved "
                       "of CPU; see lost_events)",
     "snapshots_dropped": "CUDA step snapshots were lost to a full ring buffer",
+    "restart_redone_unknown": "the job's own iteration counter was not read before or after "
+                              "its restart: the iterations it redid are not in the ledger's "
+                              "restart (productive instead)",
     "lost_windows": "py-spy windows gave no samples: check the py-spy errors in last_error",
     "gaps": "holes between py-spy windows: phases there are unsampled",
     "sampling_errors": "py-spy could not read some stacks (the job ran while it read); "

@@ -435,3 +435,20 @@ def test_the_window_never_starts_before_an_attach_and_unseen_time_is_unobserved(
         assert job["wall_seconds"] == pytest.approx(60 + gap_s + ledger["wall_seconds"],
                                                     abs=2e-3)
         assert job["unobserved_seconds"] == ledger["unobserved_seconds"]
+
+
+@pytest.mark.parametrize(("last", "read"), [(650, True), (None, True), (650, False)])
+def test_a_restart_whose_redone_iterations_are_unknown_says_so(last: int | None, read: bool):
+    # (issue 51: under load the job's counter was read in neither session, and the
+    # restart's ledger quietly left out the iterations redone)
+    before = {"ledger": render(Ledger(wall_s=60, productive_s=60, gpus=1).figures()),
+              "end_mono_ns": 0, "last_end_mono_ns": 0, "last_job_iteration": last}
+    summarizer = Summarizer.from_facts({**session_facts(), "job_before": before})
+    if read:
+        summarizer.clock.job.on_read({"t_mono_ns": 1, "end_mono_ns": 2, "value": 601,
+                                      "name": "iteration"})
+        summarizer.clock.job.resolve(None)
+    quality = render(summarizer.statistics())["data_quality"]
+    unknown = quality["sources"]["goodput"]["restart_redone_unknown"]
+    assert unknown == (0 if last is not None and read else 1)
+    assert any("restart_redone_unknown" in line for line in quality["losses"]) == bool(unknown)
