@@ -217,8 +217,11 @@ class JobTracker:
         found = {j.key: j for j in find_jobs(self.scan.scan(now_s), self.config.accepts,
                                              lambda pid, err: skipped.update({pid: one_line(err)}))}
         self._say_skipped(skipped)
-        for key, f in found.items():
+        for key, f in list(found.items()):
             job = self.jobs.get(key) or self._carried_over(f, found)
+            if job is None and self._launches_a_watched_job(f):
+                del found[key]  # (no job of its own: it is another job's launcher)
+                continue
             if job is None:
                 user = safe_name(user_name(f.uid))
                 job = self.jobs[key] = TrackedJob(f, self._unique_name(f.name, user), user,
@@ -267,6 +270,17 @@ class JobTracker:
                      + f"; the job is {f.name} ({f.id_from})")
             return job
         return None
+
+    def _launches_a_watched_job(self, f: FoundJob) -> bool:
+        """Whether ``f`` is a process of a watched job's launcher alone (the same process:
+        pid and start ticks): a parent that mp.spawn'ed the ranks, found as a job of its own
+        by a scan that, on a busy node, read it before its children (issue 51)."""
+        return bool(f.ranks) and any(
+            job.found.uid == f.uid and job.found.launchers
+            and all(pid in job.found.launchers
+                    and job.found.started.get(pid, f.started.get(pid)) == f.started.get(pid)
+                    for pid in f.ranks)
+            for job in self.jobs.values())
 
     def _say_skipped(self, skipped: dict[int, str]) -> None:
         """One line per process whose data could not be read into a job, once while it
