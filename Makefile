@@ -116,7 +116,7 @@ test: setup setup-test-system
 	$(PY) -m pip install -q -e ".[demo,test]"
 	$(MAKE) lint typecheck
 	PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1} $(PY) -m pytest -q --durations=25 \
-	  -n $(TEST_WORKERS) --dist loadfile tests
+	  -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # tests/unit holds the tests that start no process (no agent, no training job, no eBPF):
 # about 40 s on 2 cores; the few marked slow are left to `make test`.

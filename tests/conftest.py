@@ -234,6 +234,31 @@ class Agent:
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+    def attach_for_iterations(self, pid: int, iterations: int, out_dir: Path, *args: str,
+                              timeout_s: float = 300) -> subprocess.CompletedProcess:
+        """`attach` until its summary (rewritten every 5-15 s) has measured ``iterations``,
+        then SIGTERM, as a user stops it: a test that needs so many steps gets them however
+        slow the machine is today, and waits no longer than that."""
+        proc = self.start("attach", "--pid", str(pid), "--output-dir", str(out_dir), *args)
+
+        def measured() -> bool:
+            for path in out_dir.glob("perf_summary_*.json"):
+                try:
+                    stats = json.loads(path.read_text())["final_statistics"]
+                except (OSError, ValueError):
+                    return False  # (between its writes)
+                return (stats.get("measured_iterations") or 0) >= iterations
+            return proc.poll() is not None
+
+        try:
+            wait_for(measured, timeout_s, f"{iterations} iterations measured", interval_s=0.5)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            _reap(proc)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.fixture
 def agent() -> Iterator[Agent]:
     a = Agent()

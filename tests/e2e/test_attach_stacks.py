@@ -84,13 +84,11 @@ def test_pyspy_mode_mean_step_time_matches_the_targets_own_timestamps(
 ):
     # Steps long enough (AdamW ~0.1 s) that 100 Hz sampling sees every optimizer step.
     target = start_target("--hidden-size", "768", "--num-layers", "4", "--micro-batch-size", "1")
-    # 20 s: ~60 steps, so even a step that sampling misses on this busy 2-core
-    # machine (it merges two steps) keeps the mean within 2%; 45 steps or more however
-    # slow the machine is today (a slower day stepped it at ~690 ms: 29 in 20 s).
-    duration_s = max(20.0, 45 * target.step_s())
-    run = agent.run("attach", "--pid", str(target.pid), "--duration", f"{duration_s:.1f}",
-                    "--iteration-source", "pyspy", "--log-interval", "5",
-                    "--output-dir", str(out_dir))
+    # 45 steps or more, however slow the machine is today (a slower day stepped it at
+    # ~690 ms), so even a step that sampling misses on this busy 2-core machine (it
+    # merges two steps) keeps the mean within 2%.
+    run = agent.attach_for_iterations(target.pid, 45, out_dir, "--iteration-source", "pyspy",
+                                      "--log-interval", "5")
     assert run.returncode == 0, run.stderr
     summary = load_summary(out_dir)
     info, stats = summary["session_info"], summary["final_statistics"]
@@ -123,12 +121,9 @@ def test_pyspy_mode_counts_every_step_though_the_optimizer_step_is_too_short_to_
                           "--micro-batch-size", "16", "--optimizer", "sgd",
                           *([] if counter else ["--anonymous-loop"]))
     # 110 steps or more, however fast the machine is today (~20 s at ~145 ms steps; a
-    # slower day, or a busier machine, stretches them), and the sampler's own CPU on
-    # this 2-core machine stretches the job's steps by up to half again (170 -> 248 ms).
-    duration_s = max(20.0, 1.5 * 115 * target.step_s())
-    run = agent.run("attach", "--pid", str(target.pid), "--duration", f"{duration_s:.1f}",
-                    "--iteration-source", "pyspy", "--log-interval", "10",
-                    "--output-dir", str(out_dir))
+    # slower day, a busier machine, or the sampler's own CPU stretches them).
+    run = agent.attach_for_iterations(target.pid, 115, out_dir, "--iteration-source", "pyspy",
+                                      "--log-interval", "10")
     assert run.returncode == 0, run.stderr
     summary = load_summary(out_dir)
     stats = summary["final_statistics"]

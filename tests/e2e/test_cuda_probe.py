@@ -155,9 +155,16 @@ def per_iteration_deltas(snapshots: list[Snapshot], stamps: list[tuple[int, int]
     return [(at[n], at[n + 1]) for n, _ in stamps if at.get(n) and at.get(n + 1)]
 
 
+def own_waits(path: Path) -> list[int]:
+    """The time the job's blocking calls took in each iteration, by its own clock."""
+    return [int(line.split()[1]) for line in path.read_text().splitlines() if line]
+
+
 def assert_each_is_one_iteration(pairs: list[tuple[CudaCounters, CudaCounters]],
-                                 want: Expected) -> None:
-    """Every pair differs by exactly one iteration's calls; waits within timer slack."""
+                                 want: Expected, own_waits_ns: list[int]) -> None:
+    """Every pair differs by exactly one iteration's calls; waits as long as the calls
+    took by the job's own clock (``own_waits_ns``: around its blocking calls, each
+    iteration), never less than they sleep."""
     waits_ns = []
     for a, b in pairs:
         assert b.kernel_launches - a.kernel_launches == want.kernel_launches
@@ -170,20 +177,23 @@ def assert_each_is_one_iteration(pairs: list[tuple[CudaCounters, CudaCounters]],
         assert {k: b.nccl_bytes[k] - a.nccl_bytes[k] for k in NCCL_COLLECTIVES} == want.nccl_bytes
         assert b.nccl_unknown_dtype_calls == b.sync_untracked == 0
         waits_ns.append(b.sync_wait_ns - a.sync_wait_ns)
-    # Each blocking call sleeps sync_us on CLOCK_MONOTONIC (never less); the
-    # rest is timer slack (50 us by default) and the probes' own cost.
-    per_call_slack_ns = [(w - want.sync_wait_ns) / want.sync_calls for w in waits_ns]
+    # Each blocking call sleeps sync_us on CLOCK_MONOTONIC (never less); the rest is timer
+    # slack (50 us by default), the probes' own cost and, on a busy machine, the thread
+    # descheduled in the call: the job's own clock around its calls has all of it, and
+    # its Python besides (50 us a call; medians: the iterations compared differ).
     assert min(waits_ns) >= want.sync_wait_ns
-    assert statistics.median(per_call_slack_ns) < 500_000
-    assert max(per_call_slack_ns) < 20_000_000  # (a descheduled thread on a busy VM)
+    assert statistics.median(waits_ns) <= (1.1 * statistics.median(own_waits_ns)
+                                           + 50_000 * want.sync_calls), (waits_ns, own_waits_ns)
 
 
 @pytest.mark.long(reason="the fake CUDA job's scripted calls over enough steps to compare each")
 @pytest.mark.usefixtures("ebpf")
 def test_counter_deltas_between_the_targets_step_stamps_equal_its_scripted_calls(
-    start_target, fake_cuda
+    start_target, fake_cuda, tmp_path
 ):
-    target = start_target(*script_args(fake_cuda, SCRIPT, NCCL_SCRIPT), script=TRAIN_FAKE_CUDA)
+    syncs = tmp_path / "syncs.txt"
+    target = start_target("--sync-log", str(syncs), *script_args(fake_cuda, SCRIPT, NCCL_SCRIPT),
+                          script=TRAIN_FAKE_CUDA)
     want = expected_per_iteration(SCRIPT, NCCL_SCRIPT)
     with CudaActivityProbe([inspect_process(target.pid)]) as probe:
         assert probe.available, probe.reason
@@ -203,16 +213,18 @@ def test_counter_deltas_between_the_targets_step_stamps_equal_its_scripted_calls
 
     pairs = per_iteration_deltas(snapshots, target.timestamps())
     assert len(pairs) >= 20, f"only {len(pairs)} iterations had quiet polls around both stamps"
-    assert_each_is_one_iteration(pairs, want)
+    assert_each_is_one_iteration(pairs, want, own_waits(syncs))
 
 
 @pytest.mark.usefixtures("ebpf")
 def test_snapshots_taken_in_the_kernel_at_each_optimizer_step_differ_by_exactly_one_iteration(
-    start_target, fake_cuda
+    start_target, fake_cuda, tmp_path
 ):
     # No idle time around the steps: CUDA calls run right up to the stamp and
     # resume right after the step, so only an in-kernel snapshot can split them.
-    target = start_target("--idle-ms", "0", *script_args(fake_cuda, SCRIPT, NCCL_SCRIPT),
+    returns, syncs = tmp_path / "step_returns.txt", tmp_path / "syncs.txt"
+    target = start_target("--idle-ms", "0", "--step-returns", str(returns),
+                          "--sync-log", str(syncs), *script_args(fake_cuda, SCRIPT, NCCL_SCRIPT),
                           script=TRAIN_FAKE_CUDA)
     want = expected_per_iteration(SCRIPT, NCCL_SCRIPT)
     process = inspect_process(target.pid)
@@ -231,15 +243,18 @@ def test_snapshots_taken_in_the_kernel_at_each_optimizer_step_differ_by_exactly_
     stamp_times = [t for _, t in stamps]
     matched = [stamps[bisect.bisect_right(stamp_times, s.t_mono_ns) - 1] for s in steps]
     lags_ns = [s.t_mono_ns - t for s, (_, t) in zip(steps, matched, strict=True)]
-    # Each snapshot lies after its iteration's stamp and before the next one (the
-    # bisection above); typically within a fraction of a millisecond. A single lag
-    # of a few ms is the target's thread descheduled between its stamp and the
-    # step on a busy 2-core machine, not a late snapshot.
+    # Each snapshot lies after its iteration's stamp and before its optimizer step returned,
+    # by the job's own clock (the time between is the job's: on a busy machine its thread
+    # can be descheduled there for milliseconds).
+    returned = {int(n): int(t) for n, t in (line.split() for line in
+                                             returns.read_text().splitlines())}
     assert all(lag >= 0 for lag in lags_ns), min(lags_ns)
-    assert statistics.median(lags_ns) < 500_000, statistics.median(lags_ns)
+    late = [(n, s.t_mono_ns - returned[n]) for s, (n, _) in zip(steps, matched, strict=True)
+            if n in returned and s.t_mono_ns > returned[n]]
+    assert late == [], late
     iterations = [n for n, _ in matched]
     assert iterations == list(range(iterations[0], iterations[0] + len(steps)))
-    assert_each_is_one_iteration(list(itertools.pairwise(steps)), want)
+    assert_each_is_one_iteration(list(itertools.pairwise(steps)), want, own_waits(syncs))
 
 
 @pytest.mark.usefixtures("ebpf")

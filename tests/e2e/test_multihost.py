@@ -132,11 +132,14 @@ def test_both_hosts_name_the_job_alike_and_prometheus_has_its_figures_from_both(
                60, "tokens/s from both hosts")
     time.sleep(20)
     now_ns = time.monotonic_ns()
-    truth = 4 * MICRO_BATCH * SEQ / _own_step_s(two_hosts["stamps"], now_ns - 20e9, now_ns)
     values = prometheus.values(f"avg_over_time(perfmon_tokens_per_second{{{selector}}}[20s])")
-    print(f"tokens/s: {values} from the hosts, {truth:.1f} by the job's own clock")
+    # (the gauge follows the job a log interval and a scrape behind: its 20 s are the job's
+    # 20 s ending up to 10 s ago, and on a busy machine the job's pace moves within that)
+    truths = [4 * MICRO_BATCH * SEQ / _own_step_s(two_hosts["stamps"], end - 20e9, end)
+              for end in (now_ns - lag * 1e9 for lag in range(11))]
+    print(f"tokens/s: {values} from the hosts, {truths[0]:.1f} by the job's own clock")
     for value in values:
-        assert value == pytest.approx(truth, rel=0.02), (value, truth)
+        assert min(abs(value / truth - 1) for truth in truths) <= 0.02, (value, truths)
     # Each host's compute; b's ranks compute 30 ms longer, and the rules name it.
     compute = {r["metric"]["host"]: float(r["value"][1]) for r in prometheus.query(
         f"perfmon_host_compute_seconds{{{selector}}}")}

@@ -42,6 +42,21 @@ def test_every_pyspy_the_agent_starts_is_the_oom_killers_first_choice():
     assert not done.cut and done.stdout.strip() == b"1000"
 
 
+CUT = ("windows_cut", "dumps_cut", "stacks_cut", "names_cut")
+
+
+def _all_cut(out: Path) -> bool:
+    """Whether the summary so far says py-spy's windows, dumps, stacks and names were cut."""
+    for path in out.glob("perf_summary_*.json"):
+        try:
+            pyspy = json.loads(path.read_text())["final_statistics"]["data_quality"][
+                "sources"]["pyspy"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return all(pyspy.get(c) for c in CUT)
+    return False
+
+
 def _peak_rss_kib(pid: int) -> int:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
@@ -86,15 +101,20 @@ def test_the_agent_on_a_job_of_65_threads_950_frames_deep_stays_small_and_says_w
             console = (out / "console.txt").open("w+b")
             agent = subprocess.Popen(
                 [agent_bin, "attach", "--pid", str(job.pid), "--iteration-source", "pyspy",
-                 "--duration", "10", "--output-dir", str(out)],
+                 "--output-dir", str(out)],
                 stdout=console, stderr=subprocess.STDOUT)
             peak_kib, scores = 0, set()
-            deadline = time.monotonic() + 60
+            # Until its summary (rewritten every 5-15 s) has cut each of what it cuts, at
+            # least 10 s, then SIGTERM: a busy machine takes longer to dump such a job.
+            started, deadline = time.monotonic(), time.monotonic() + 120
             while agent.poll() is None and time.monotonic() < deadline:
                 peak_kib = max(peak_kib, _peak_rss_kib(agent.pid))  # the agent's own
                 scores |= _pyspy_oom_scores(agent.pid)
+                if time.monotonic() - started >= 10 and _all_cut(out):
+                    agent.send_signal(signal.SIGTERM)
+                    break
                 time.sleep(0.1)
-            agent.wait(timeout=30)
+            agent.wait(timeout=60)
             console.seek(0)
             assert agent.returncode == 0, console.read().decode()[-3000:]
         finally:
@@ -119,5 +139,5 @@ def test_the_agent_on_a_job_of_65_threads_950_frames_deep_stays_small_and_says_w
     assert pyspy["dumps_cut"] >= 1 and pyspy["stacks_cut"] >= 1, pyspy
     assert pyspy["frames_cut"] >= pyspy["stacks_cut"] * (950 - KEEP_FRAMES), pyspy
     assert pyspy["names_cut"] >= 1, pyspy
-    for counter in ("windows_cut", "dumps_cut", "stacks_cut", "names_cut"):
+    for counter in CUT:
         assert any(line.startswith(f"pyspy: {counter} ") for line in quality["losses"])

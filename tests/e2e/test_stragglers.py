@@ -82,9 +82,14 @@ def test_a_rank_slowed_in_its_compute_is_named_the_straggler_with_its_delay(
                - statistics.median(s for t, s in steps if onset - 5e9 < t <= onset)) / MS
     busy = max(episode["differs"].get("run_queue_wait_share", 0),
                episode["differs"].get("others_run_queue_wait_share", 0))
-    expected = 30 if busy < 0.15 else lost_ms
-    assert episode["delay_ms_per_step"] == pytest.approx(expected, rel=0.2), (
-        episode, busy, lost_ms)
+    if busy < 0.15:
+        assert episode["delay_ms_per_step"] == pytest.approx(30, rel=0.2), (episode, lost_ms)
+    else:
+        # (how the cores were shared then is the scheduler's: the delay lies between what
+        # the job's step lost and what was injected; the rule's figure itself is checked
+        # exactly on generated streams, below)
+        assert 0.8 * min(lost_ms, 30) <= episode["delay_ms_per_step"] <= 1.2 * 30, (
+            episode, busy, lost_ms)
     # Per rank, in the log intervals since: the fast one waits for the slow one, which
     # computes longer, by the delay (means over the intervals' iterations).
     entries = [{r["rank"]: r for r in e["ranks"]} for e in summary["iteration_logs"]

@@ -320,14 +320,17 @@ AGENT_WITHOUT_BCC = ("import sys; sys.modules['bcc'] = None; "
                      "from perfmon.agent.cli import main; sys.exit(main())")
 
 
-def our_definitions(root: str) -> list[str]:
+def our_definitions(root: str, *agents: subprocess.Popen) -> list[str]:
+    """The uprobe events of these agents (each defines its own group, perfmon_PID: the
+    agents of tests running beside this one have theirs)."""
+    groups = tuple(f"{GROUP_PREFIX}{agent.pid}/" for agent in agents)
     with open(os.path.join(root, "uprobe_events")) as f:
-        return [line for line in f if GROUP_PREFIX in line]
+        return [line for line in f if any(g in line for g in groups)]
 
 
 def start_agent_without_bcc(tmp_path: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", AGENT_WITHOUT_BCC, "attach", *args],
+        [sys.executable, "-c", AGENT_WITHOUT_BCC, "attach", "--metrics-address", "off", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")},
         start_new_session=True)
@@ -358,7 +361,7 @@ def test_attach_on_tracefs_without_bcc_or_headers_matches_the_targets_clock(
     true_ms = statistics.fmean((b - a) / 1e6 for a, b in itertools.pairwise(truth))
     assert stats["avg_step_time_ms"] == pytest.approx(true_ms, rel=0.005)
     assert stats["microbatches_per_step"] == 4
-    assert our_definitions(tracefs) == []  # nothing left after a normal exit
+    assert our_definitions(tracefs, proc) == []  # nothing left after a normal exit
 
 
 def test_a_sigkilled_agent_leaves_events_the_next_agent_removes(
@@ -370,19 +373,19 @@ def test_a_sigkilled_agent_leaves_events_the_next_agent_removes(
                                     "--output-dir", str(tmp_path / "a"))
     try:
         deadline = time.monotonic() + 30
-        while not our_definitions(tracefs) and time.monotonic() < deadline:
+        while not our_definitions(tracefs, first) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert our_definitions(tracefs), "the first agent never defined its events"
+        assert our_definitions(tracefs, first), "the first agent never defined its events"
         time.sleep(1)
         first.kill()
         first.wait(timeout=10)
-        assert our_definitions(tracefs)  # a killed agent cannot clean up after itself
+        assert our_definitions(tracefs, first)  # a killed agent cannot clean up after itself
         second = start_agent_without_bcc(tmp_path, "--pid", str(target.pid), "--probe-backend",
                                          "tracefs", "--no-stack-sampling", "--duration", "2",
                                          "--output-dir", str(tmp_path / "b"))
         _, err = second.communicate(timeout=60)
         assert second.returncode == 0, err
-        assert our_definitions(tracefs) == []
+        assert our_definitions(tracefs, first, second) == []
     finally:
         first.kill()
 
@@ -398,6 +401,6 @@ def test_an_agent_whose_target_dies_leaves_nothing(start_target, tracefs, tmp_pa
         proc.kill()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
-    assert our_definitions(tracefs) == []
+    assert our_definitions(tracefs, proc) == []
     instances = os.listdir(os.path.join(tracefs, "instances"))
-    assert not [name for name in instances if name.startswith(GROUP_PREFIX)]
+    assert not [name for name in instances if name.startswith(f"{GROUP_PREFIX}{proc.pid}_")]

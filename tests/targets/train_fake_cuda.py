@@ -65,6 +65,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="folder with the fake libcuda.so.1, libcudart.so.12, libnccl.so.2")
     p.add_argument("--no-nccl", action="store_true", help="do not load libnccl.so.2")
     p.add_argument("--timestamps", help="append '<iteration> <monotonic ns>' before each step")
+    p.add_argument("--step-returns", help="append '<iteration> <monotonic ns>' as each "
+                   "optimizer step returns (with --timestamps: each step's bracket)")
+    p.add_argument("--sync-log", help="append '<iteration> <ns>': the time its blocking "
+                   "calls took in each iteration, by its own clock")
     p.add_argument("--train-iters", type=int, default=0, help="0: train until killed")
     p.add_argument("--idle-ms", type=float, default=20.0)
     p.add_argument("--runtime-launches", type=int, default=0, help="cudaLaunchKernel calls")
@@ -146,6 +150,7 @@ class FakeGpu:
                         "cuLaunchKernelEx")
         for _ in range(a.graph_launches):
             self._check(rt.cudaGraphLaunch(None, None), "cudaGraphLaunch")
+        synced = time.monotonic_ns()
         for _ in range(a.stream_syncs):
             self._check(rt.cudaStreamSynchronize(None), "cudaStreamSynchronize")
         for _ in range(a.device_syncs):
@@ -154,6 +159,7 @@ class FakeGpu:
             self._check(rt.cudaEventSynchronize(None), "cudaEventSynchronize")
         for _ in range(a.memcpys):
             self._check(rt.cudaMemcpy(self.host_dst, self.host_src, 4096, 0), "cudaMemcpy")
+        self.sync_ns = time.monotonic_ns() - synced  # (the job's own clock of its waits)
         if self.nccl is not None:
             self._collectives()
 
@@ -201,18 +207,24 @@ def train(args: argparse.Namespace) -> None:
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     stamps = open(args.timestamps, "a", buffering=1) if args.timestamps else None
+    syncs = open(args.sync_log, "a", buffering=1) if args.sync_log else None
+    returns = open(args.step_returns, "a", buffering=1) if args.step_returns else None
     iteration = 0
     while args.train_iters == 0 or iteration < args.train_iters:
         x = torch.randn(16, 32)
         loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
         loss.backward()
         gpu.iteration()
+        if syncs:
+            syncs.write(f"{iteration + 1} {gpu.sync_ns}\n")
         # Host-side work (logging, a data-loader wait) on both sides of the stamp,
         # so that no CUDA or NCCL call happens within idle_ms / 2 of it.
         time.sleep(args.idle_ms / 2000)
         if stamps:
             stamps.write(f"{iteration + 1} {time.monotonic_ns()}\n")
         optimizer.step()
+        if returns:
+            returns.write(f"{iteration + 1} {time.monotonic_ns()}\n")
         optimizer.zero_grad(set_to_none=True)
         iteration += 1
         time.sleep(args.idle_ms / 2000)
