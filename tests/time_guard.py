@@ -56,6 +56,8 @@ class TimeGuard:
         writer.sep("=", f"tests over {LIMIT_S:.0f} s not marked long", red=True)
         for nodeid, seconds in over:
             writer.line(f"{seconds:7.1f}s {nodeid}")
+        writer.line("the run fails: make them shorter, or mark them "
+                    "pytest.mark.long(reason=...) with why they need that long", red=True)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

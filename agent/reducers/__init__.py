@@ -315,11 +315,15 @@ class Summarizer:
         offset = self.clock.job.offset
         # (the job's own numbers of its first and last iterations: a next session, after a
         # restart, counts the iterations redone from the last)
+        exited = self.end_reason in ENDED_WITH_THE_RANKS
+        # (a job that stopped iterating and then exited with status 0 was ending: its
+        # interpreter's exit can take many seconds on a busy node, long enough for a hang
+        # record; the time after its last iteration is its end, not a stall)
         return self.goodput.summary(
             self.end_t_mono_ns or self._latest_ns, self.failslow.events,
-            self.ranks.stragglers(), self.hangs.hung,
+            self.ranks.stragglers(), self.hangs.hung and not (exited and self.exits.clean),
             1 + offset if offset is not None else None,
-            exited=self.end_reason in ENDED_WITH_THE_RANKS,
+            exited=exited,
             last_job_iteration=(self.clock.iterations_ended + offset
                                 if offset is not None else None))
 

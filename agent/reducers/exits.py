@@ -83,6 +83,12 @@ class Exits:
                 self._first = (key, {"pid": pid, "rank": entry["rank"], "what": entry["what"]})
 
     @property
+    def clean(self) -> bool:
+        """Every rank seen to exit did so with status 0 (and one was): the job ended as
+        it meant to, however long its ranks took to get there."""
+        return bool(self.ranks) and all(e["exit_code"] == 0 for e in self.ranks.values())
+
+    @property
     def cause(self) -> dict[str, Any] | None:
         """{"pid", "rank", "what"} of the first rank that failed, or None."""
         return dict(self._first[1]) if self._first is not None else None

@@ -452,3 +452,33 @@ def test_a_restart_whose_redone_iterations_are_unknown_says_so(last: int | None,
     unknown = quality["sources"]["goodput"]["restart_redone_unknown"]
     assert unknown == (0 if last is not None and read else 1)
     assert any("restart_redone_unknown" in line for line in quality["losses"]) == bool(unknown)
+
+
+@pytest.mark.parametrize("ended", [{"exit_code": 0}, {"signal": "SIGKILL"}],
+                         ids=["exit_0", "killed"])
+def test_ranks_slow_to_exit_after_their_last_iteration_are_ending_not_hung(ended: dict):
+    # (issue 51: on a busy node a job's interpreter took 8-13 s to exit after its last
+    # iteration; the hang record raised meanwhile booked them as hang. A clean exit was the
+    # job ending: unobserved. One that ended in a kill was hung until then.)
+    from tests.eventlogs import PID, START_NS, STEP_NS
+    from tests.eventlogs import records as session_records
+
+    summarizer = Summarizer.from_facts(session_facts())
+    for record in session_records(300, end=False):
+        if record["type"] != "session_start":
+            summarizer.feed(record)
+    last = START_NS + 300 * STEP_NS
+    summarizer.feed({"type": "hang", "t_mono_ns": last + 5 * S, "last_iteration_mono_ns": last,
+                     "threshold_s": 5.0, "frame": None, "report": None})
+    summarizer.feed({"type": "rank_exit", "t_mono_ns": last + 12 * S, "pid": PID, "rank": 0,
+                     "exit_code": None, "signal": None, "core_dumped": False,
+                     "oom_killed": False, "log_tail_cause": None, "source": "proc_connector",
+                     **ended})
+    summarizer.feed({"type": "session_end", "t_mono_ns": last + 12 * S,
+                     "reason": "target_exited"})
+    ledger = render(summarizer.statistics())["goodput"]
+    _adds_up(ledger)
+    if "exit_code" in ended:
+        assert ledger["lost_seconds"]["hang"] == 0 and ledger["unobserved_seconds"] >= 11.9
+    else:
+        assert ledger["lost_seconds"]["hang"] == pytest.approx(12, abs=0.3), ledger
