@@ -129,6 +129,10 @@ class EventLogWriter:
             self.error = refused(err)
             return False
         self.error = None
+        # (and at every flush, not only when a part closes: a coarsening still under way
+        # then, its machine busy, left the next part's for the next close, and the log
+        # grew past its cap while parts came faster than they were rewritten)
+        self._coarsen_if_over()
         return True
 
     def _next_part(self) -> None:

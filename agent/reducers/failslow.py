@@ -400,12 +400,12 @@ class FailSlow:
             self._healthy.clear()
             self._at_pace(after, recent)
             return
-        elif above < threshold or min(math.log(m / self.baseline) for m in recent) < threshold:
-            # Back within d of the baseline, or faster; or some of the blocks since the fall
-            # are: a job still slower than its baseline is one whose every block since is
-            # d or more above it (the evidence a creep needs, _drift). On a node whose load
-            # comes and goes, a baseline of its first quiet seconds is no healthy pace
-            # to fall short of.
+        elif min(math.log(m / self.baseline) for m in recent) < threshold:
+            # Back within d of the baseline (their median), or faster; or some of the
+            # blocks since the fall are: a job still slower than its baseline is one whose
+            # every block since is d or more above it (the evidence a creep needs, _drift).
+            # On a node whose load comes and goes, a baseline of its first quiet seconds
+            # is no healthy pace to fall short of.
             kind = "recovered"
         elif above < math.log(before / after):
             kind = "recovered_partly"  # nearer the baseline than the episode's level

@@ -15,9 +15,11 @@ tests read their summaries.
 from __future__ import annotations
 
 import itertools
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from tests.conftest import (
     _reap,
     ebpf_missing,
     load_summary,
+    wait_for,
 )
 
 pytestmark = pytest.mark.long(reason=("one scenario of 173 s of a job's life: four injected "
@@ -39,14 +42,14 @@ pytestmark = pytest.mark.long(reason=("one scenario of 173 s of a job's life: fo
                                       "blocks"))
 
 MS = 1_000_000
-# Seconds after the job's first iteration (the agent attaches ~2 s after it): two
-# slowdowns of 30% for 15 s from 15 and 45 s after attach (the first before the baseline
-# has a minute of blocks, the second after a change), one of 5% for 30 s, and a creep
-# from 0 to +15% over 40 s, held for 5 s.
-SLOW_30 = ((17, 32), (47, 62))
-SLOW_5 = (77, 107)
-CREEP = (125, 165, 170)
-WATCH_S = 173
+# Seconds after the agents attached (the scenario job's schedule starts then: a busy
+# machine's attach takes seconds more than a quiet one's): two slowdowns of 30% for 15 s
+# from 15 and 45 s (the first before the baseline has a minute of blocks, the second
+# after a change), one of 5% for 30 s, and a creep from 0 to +15% over 40 s, held for 5 s.
+SLOW_30 = ((15, 30), (45, 60))
+SLOW_5 = (75, 105)
+CREEP = (123, 163, 168)
+WATCH_S = 171
 
 
 @dataclass
@@ -54,15 +57,15 @@ class Watched:
     summary: dict
     stderr: str
     target: Target
-    first_ns: int  # the job's first iteration (its own clock)
+    zero_ns: int  # the scenario's start: when the agents had attached (CLOCK_MONOTONIC)
 
     @property
     def events(self) -> list[dict]:
         return self.summary["final_statistics"]["fail_slow"]
 
     def at(self, seconds: float) -> float:
-        """CLOCK_MONOTONIC ns ``seconds`` after the job's first iteration."""
-        return self.first_ns + seconds * 1e9
+        """CLOCK_MONOTONIC ns ``seconds`` after the scenario's start."""
+        return self.zero_ns + seconds * 1e9
 
     def own_step_ms(self, since_ns: float, until_ns: float) -> float:
         return job_step_ms(self.target, since_ns, until_ns)
@@ -97,12 +100,15 @@ def _job(tmp: Path, *args: str) -> Target:
 
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Watched]]:
-    """The scenario job and the steady job, each watched for WATCH_S by an agent."""
+    """The scenario job and the steady job, each watched by an agent for WATCH_S from the
+    moment both have attached (their event logs begun), when the scenario starts."""
     if (reason := ebpf_missing()) is not None:
         pytest.fail(f"eBPF uprobes cannot run: {reason}")
     schedule = ",".join([*(f"{a}-{b}:0.3" for a, b in SLOW_30), f"{SLOW_5[0]}-{SLOW_5[1]}:0.05",
                          f"{CREEP[0]}-{CREEP[1]}:0/0.15", f"{CREEP[1]}-{CREEP[2]}:0.15"])
-    jobs = {"scenario": ("--slow-ranks", "all", "--slow-wait", "--slow-schedule", schedule),
+    go = tmp_path_factory.mktemp("scenario_start") / "go"
+    jobs = {"scenario": ("--slow-ranks", "all", "--slow-wait", "--slow-schedule", schedule,
+                         "--schedule-from", str(go)),
             "steady": ()}
     agent, started, runs = Agent(), [], {}
     try:
@@ -113,14 +119,18 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Watc
             target.wait_for_iterations(6, timeout_s=90)
             out = tmp / "out"
             out.mkdir()
-            first_ns = target.timestamps()[0][1]
-            duration = WATCH_S - (target.timestamps()[-1][1] - first_ns) / 1e9
-            proc = agent.start("attach", "--pid", str(target.pid), "--duration",
-                               f"{duration:.1f}", "--output-dir", str(out))
-            runs[name] = (proc, out, target, first_ns)
+            proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out))
+            runs[name] = (proc, out, target)
+        for name, (proc, out, _) in runs.items():
+            wait_for(lambda out=out, proc=proc: any(out.glob("perf_events_*.msgpack"))
+                     or proc.poll() is not None, 90, f"the {name} job's agent to attach")
+        go.touch()
+        zero_ns = time.monotonic_ns()
+        time.sleep(WATCH_S)
         results = {}
-        for name, (proc, out, target, first_ns) in runs.items():
-            _, stderr = proc.communicate(timeout=WATCH_S + 120)
+        for name, (proc, out, target) in runs.items():
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=120)
             assert proc.returncode == 0, stderr
             # The jobs train until killed: one that ended while watched ends the scenario
             # early, and its own last words say why (what the events alone cannot).
@@ -128,7 +138,7 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Watc
                 log = (out.parent / "job.log").read_text(errors="replace")[-2000:]
                 pytest.fail(f"the {name} job exited while watched (status "
                             f"{target.proc.returncode}): {log}\nagent: {stderr[-1000:]}")
-            results[name] = Watched(load_summary(out), stderr, target, first_ns)
+            results[name] = Watched(load_summary(out), stderr, target, zero_ns)
         yield results
     finally:
         for proc in [*agent.procs, *started]:

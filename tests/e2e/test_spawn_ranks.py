@@ -326,6 +326,8 @@ def test_a_process_that_never_ends_an_iteration_is_not_training_never_hung(
     assert list(out_dir.glob("hang_report_*.json")) == []
 
 
+@pytest.mark.long(reason=("an mp.spawn job that trains, then stalls past the hang "
+                          "threshold: its hang report"))
 def test_a_stall_after_iterations_is_still_a_hang(agent, out_dir: Path, spawn_jobs,
                                                    tmp_path: Path) -> None:
     stall = tmp_path / "stall"

@@ -63,12 +63,14 @@ def test_a_rank_slowed_in_its_compute_is_named_the_straggler_with_its_delay(
     slowed = re.search(r"rank 1: slowed from iteration (\d+)", log)
     assert slowed, "rank 1 was never slowed"
     onset = first[int(slowed[1]) - 1]  # (the end of the iteration before)
-    (episode,) = stats["stragglers"]
+    # (one episode; on a busy machine it may close and open again: rank 1's each time)
+    episode, *again = stats["stragglers"]
+    assert all(e["rank"] == 1 for e in again), again
     assert episode["rank"] == 1 and episode["pid"] == info["pids"][1]
     # Named within 10 s of its start, dated from after it.
     assert onset <= episode["since_mono_ns"] <= episode["detected_mono_ns"] <= onset + 10e9, (
         (episode["since_mono_ns"] - onset) / 1e9, (episode["detected_mono_ns"] - onset) / 1e9)
-    assert episode["until"] is None  # still slow at the end
+    assert [episode, *again][-1]["until"] is None  # still slow at the end
     assert "straggler: rank 1" in run.stderr
     # Its delay is its excess compute. Where the ranks have the CPUs they need, that is
     # the 30 ms injected, within 20%. Where another process's load makes them wait for

@@ -35,6 +35,10 @@ def exposure(unit: Path) -> tuple[float, str]:
     return float(match.group(1)), match.group(2)
 
 
+pytestmark = pytest.mark.long(reason="make install into a folder: a virtualenv and the "
+                                     "package built, once for the file")
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory):
     """`make install` into a temporary PREFIX, SYSCONFDIR and UNITDIR (then uninstall)."""

@@ -139,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="slowdowns of the slow ranks by time: FROM-UNTIL:FACTOR,... (seconds "
                         "after training started; FACTOR as for --slow-factor, or F0/F1: "
                         "rising evenly from F0 to F1 over the window, a creep)")
+    p.add_argument("--schedule-from", help="a file: the --slow-schedule's seconds count from "
+                   "when it appears (looked for each iteration), not from training's start")
     p.add_argument("--device-ms", type=float, default=0.0,
                    help="each micro-batch's forward also waits this long, as the CPU of a GPU "
                         "job waits for its kernels (a stand-in for the device's time)")
@@ -289,9 +291,12 @@ def train(args: argparse.Namespace) -> None:
     started = last = time.monotonic()
     steps: list[float] = []  # step times before the slowdown: its reference
     computes: deque[float] = deque(maxlen=9)  # a step's time less its loading
+    zero = None if args.schedule_from else started  # (the schedule's clock)
     while args.train_iters == 0 or iteration < args.train_iters:
         now = time.monotonic()
-        if slowed(args, rank, iteration, now - started):
+        if zero is None and os.path.exists(args.schedule_from):
+            zero = now
+        if slowed(args, rank, iteration, now - zero if zero is not None else -1.0):
             if not slow["s"] and args.slow_ms:  # (numbered as --timestamps numbers it)
                 print(f"rank {rank}: slowed from iteration {iteration + 1}", flush=True)
             slow["s"] = (args.slow_ms / 1000 if args.slow_ms else
