@@ -107,9 +107,11 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Watc
     schedule = ",".join([*(f"{a}-{b}:0.3" for a, b in SLOW_30), f"{SLOW_5[0]}-{SLOW_5[1]}:0.05",
                          f"{CREEP[0]}-{CREEP[1]}:0/0.15", f"{CREEP[1]}-{CREEP[2]}:0.15"])
     go = tmp_path_factory.mktemp("scenario_start") / "go"
-    jobs = {"scenario": ("--slow-ranks", "all", "--slow-wait", "--slow-schedule", schedule,
-                         "--schedule-from", str(go)),
-            "steady": ()}
+    # (the steady job first: the scenario's start is its own agent's attach, whatever the
+    # other's took)
+    jobs = {"steady": (),
+            "scenario": ("--slow-ranks", "all", "--slow-wait", "--slow-schedule", schedule,
+                         "--schedule-from", str(go))}
     agent, started, runs = Agent(), [], {}
     try:
         for name, args in jobs.items():
@@ -121,7 +123,6 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Watc
             out.mkdir()
             proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out))
             runs[name] = (proc, out, target)
-        for name, (proc, out, _) in runs.items():
             wait_for(lambda out=out, proc=proc: any(out.glob("perf_events_*.msgpack"))
                      or proc.poll() is not None, 90, f"the {name} job's agent to attach")
         go.touch()
