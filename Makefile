@@ -24,6 +24,9 @@ DEB_PACKAGES := bpfcc-tools python3-bpfcc python3-venv python3-dev gcc make libc
 # real jobs' wall-clock seconds, so more workers than cores; the pure tests are CPU-bound.
 TEST_WORKERS ?= 4
 FAST_WORKERS ?= 2
+# ... and the tests that judge a job's timing (tests/conftest.py TIMING_FILES), after the
+# rest, fewer at a time: beside three other workers their jobs were starved of CPU.
+TIMING_WORKERS ?= 2
 # What the tests run for real: a Prometheus server (and promtool), headless
 # Chromium for the HTML report, systemd-analyze for the unit, tmux for `top`, sudo
 # for `run` started the way users start it, Slurm (its controller, node daemon and
@@ -115,8 +118,12 @@ setup-test-system:
 test: setup setup-test-system
 	$(PY) -m pip install -q -e ".[demo,test]"
 	$(MAKE) lint typecheck
-	PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1} $(PY) -m pytest -q --durations=25 \
-	  -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	export PERFMON_REQUIRE_EBPF=$${PERFMON_REQUIRE_EBPF:-1}; \
+	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile \
+	  --no-loadscope-reorder -m "not timing" tests; rest=$$?; \
+	$(PY) -m pytest -q --durations=15 -n $(TIMING_WORKERS) --dist loadfile \
+	  --no-loadscope-reorder -m timing tests; timing=$$?; \
+	[ $$rest -eq 0 ] && [ $$timing -eq 0 ]
 
 # tests/unit holds the tests that start no process (no agent, no training job, no eBPF):
 # about 40 s on 2 cores; the few marked slow are left to `make test`.
