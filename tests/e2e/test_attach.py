@@ -246,7 +246,10 @@ def test_data_quality_counts_the_events_a_tiny_ring_buffer_dropped(start_target,
     wait_for(lambda: _try_summary(out_dir), timeout_s=30, what="the session to start")
     target.wait_for_iterations(len(target.timestamps()) + 2)
     proc.send_signal(signal.SIGSTOP)
+    # (1.5 s, and two of the job's steps at least: ~200 markers, however slow a busy
+    # machine makes its steps; 1.5 s alone held none of them there)
     time.sleep(1.5)
+    target.wait_for_iterations(len(target.timestamps()) + 2)
     proc.send_signal(signal.SIGCONT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
