@@ -38,7 +38,7 @@ SUMMARY_SCHEMA = json.loads((ROOT / "parsers" / "data" / "perf_summary.schema.js
 
 # The files whose tests judge a job's timing (its pace, waits, stalls, stragglers,
 # sampled steps) against its own clock with margins made for a machine of moderate load:
-# `make test` runs them apart (pytest.mark.timing), two at a time, after the rest (four
+# `make test` runs them apart (pytest.mark.timing), one at a time, after the rest (four
 # at a time): beside three other workers on 2 cores (a load of 8-9) their jobs and
 # agents were starved of CPU past those margins (an attach 17 s late, ring buffers
 # overflowing, py-spy windows late), in 5 of every 850 tests a run.
