@@ -276,9 +276,8 @@ class JobTracker:
         pid and start ticks): a parent that mp.spawn'ed the ranks, found as a job of its own
         by a scan that, on a busy node, read it before its children (issue 51)."""
         return bool(f.ranks) and any(
-            job.found.uid == f.uid and job.found.launchers
-            and all(pid in job.found.launchers
-                    and job.found.started.get(pid, f.started.get(pid)) == f.started.get(pid)
+            job.found.uid == f.uid
+            and all(pid in job.found.launchers and job.found.started.get(pid) == f.started[pid]
                     for pid in f.ranks)
             for job in self.jobs.values())
 
