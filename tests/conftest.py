@@ -256,7 +256,6 @@ class Agent:
             _reap(proc)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
-
     def attach_for_iterations(self, pid: int, iterations: int, out_dir: Path, *args: str,
                               timeout_s: float = 300) -> subprocess.CompletedProcess:
         """`attach` until its summary (rewritten every 5-15 s) has measured ``iterations``,
@@ -265,13 +264,9 @@ class Agent:
         proc = self.start("attach", "--pid", str(pid), "--output-dir", str(out_dir), *args)
 
         def measured() -> bool:
-            for path in out_dir.glob("perf_summary_*.json"):
-                try:
-                    stats = json.loads(path.read_text())["final_statistics"]
-                except (OSError, ValueError):
-                    return False  # (between its writes)
-                return (stats.get("measured_iterations") or 0) >= iterations
-            return proc.poll() is not None
+            summary = summary_so_far(out_dir)
+            return proc.poll() is not None or (summary is not None and (
+                summary["final_statistics"].get("measured_iterations") or 0) >= iterations)
 
         try:
             wait_for(measured, timeout_s, f"{iterations} iterations measured", interval_s=0.5)
@@ -293,6 +288,15 @@ def agent() -> Iterator[Agent]:
 def load_summary(out: Path) -> dict:
     (path,) = sorted(out.glob("perf_summary_*.json"))
     return json.loads(path.read_text())
+
+
+def summary_so_far(out: Path) -> dict | None:
+    """The live summary a running agent rewrites (every 5-15 s), or None: not written yet,
+    or caught between its writes."""
+    try:
+        return load_summary(out)
+    except (ValueError, FileNotFoundError):
+        return None
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):

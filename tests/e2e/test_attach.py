@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests import eventlogs
-from tests.conftest import load_summary, wait_for
+from tests.conftest import load_summary, summary_so_far, wait_for
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 
@@ -125,7 +125,7 @@ def test_summarize_rebuilds_the_summary_of_a_sigkilled_agent(
     target.wait_for_iterations(300)
     # The live summary is refreshed at least every 5 s: wait until it holds every step.
     live = wait_for(
-        lambda: (s := _try_summary(out_dir)) and _all_done(s, target) and s,
+        lambda: (s := summary_so_far(out_dir)) and _all_done(s, target) and s,
         timeout_s=30, what="the live summary to count every iteration")
     assert live["final_statistics"]["measured_iterations"] > 50
     proc.send_signal(signal.SIGKILL)
@@ -148,12 +148,6 @@ def test_summarize_rebuilds_the_summary_of_a_sigkilled_agent(
     assert all(r["type"] != "session_end" for r in records)
 
 
-def _try_summary(out_dir):
-    try:
-        return load_summary(out_dir)
-    except (ValueError, FileNotFoundError):
-        return None
-
 
 def _all_done(summary, target) -> bool:
     info = summary["session_info"]
@@ -168,7 +162,7 @@ def _all_done(summary, target) -> bool:
 def test_signal_ends_the_session_cleanly(steady_target, agent, out_dir, signum):
     target = steady_target
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir))
-    wait_for(lambda: (s := _try_summary(out_dir)) and s["session_info"]["total_iterations"] > 20,
+    wait_for(lambda: (s := summary_so_far(out_dir)) and s["session_info"]["total_iterations"] > 20,
              timeout_s=30, what="iterations in the live summary")
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=30)
@@ -243,7 +237,7 @@ def test_data_quality_counts_the_events_a_tiny_ring_buffer_dropped(start_target,
     # steps of the target's own: the agent is stopped mid-session, well before its end.
     # (A later summary may not come before the 8 s are over: the live summary is
     # rewritten when a log interval completes, ~4 s at this job's steps, at most every 5 s.)
-    wait_for(lambda: _try_summary(out_dir), timeout_s=30, what="the session to start")
+    wait_for(lambda: summary_so_far(out_dir), timeout_s=30, what="the session to start")
     target.wait_for_iterations(len(target.timestamps()) + 2)
     proc.send_signal(signal.SIGSTOP)
     # (1.5 s, and two of the job's steps at least: ~200 markers, however slow a busy

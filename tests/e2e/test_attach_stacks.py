@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests import eventlogs
-from tests.conftest import load_summary, wait_for
+from tests.conftest import load_summary, summary_so_far, wait_for
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 
@@ -52,7 +52,7 @@ def test_stalled_job_gives_a_hang_report_naming_the_function_and_a_hung_summary(
     target = start_target("--stall-when", str(stall), warm_iterations=5)
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir),
                        "--hang-timeout", "3", "--hang-factor", "5")
-    wait_for(lambda: (s := _summary(out_dir)) and s["session_info"]["total_iterations"] > 5,
+    wait_for(lambda: (s := summary_so_far(out_dir)) and s["session_info"]["total_iterations"] > 5,
              timeout_s=60, what="iterations seen")
     stall.touch()
     reports = wait_for(lambda: list(out_dir.glob("hang_report_*.json")), timeout_s=60,
@@ -60,7 +60,7 @@ def test_stalled_job_gives_a_hang_report_naming_the_function_and_a_hung_summary(
     report = json.loads(reports[0].read_text())
     assert report["innermost_common_frame"]["function"] == "deliberately_stalled_collective"
     assert str(target.pid) in report["ranks"] and report["no_iteration_for_s"] >= 3
-    summary = wait_for(lambda: (s := _summary(out_dir)) and s["session_info"]["hung"] and s,
+    summary = wait_for(lambda: (s := summary_so_far(out_dir)) and s["session_info"]["hung"] and s,
                        timeout_s=20, what="the summary to say hung")
     (hang,) = summary["final_statistics"]["hangs"]
     assert "deliberately_stalled_collective" in hang["frame"] and hang["recovered_at"] is None
@@ -70,12 +70,6 @@ def test_stalled_job_gives_a_hang_report_naming_the_function_and_a_hung_summary(
     hang_lines = [li for li in err.splitlines() if "hang:" in li]
     assert len(hang_lines) == 1 and "deliberately_stalled_collective" in hang_lines[0]
 
-
-def _summary(out_dir):
-    try:
-        return load_summary(out_dir)
-    except (ValueError, FileNotFoundError):
-        return None
 
 
 @pytest.mark.long(reason="30 steps or more in py-spy mode, at the job's own pace")

@@ -19,7 +19,7 @@ import zstandard
 from perfmon.agent.record.replay import rebuild_from_event_log
 
 from tests import eventlogs
-from tests.conftest import load_summary, wait_for
+from tests.conftest import load_summary, summary_so_far, wait_for
 
 pytestmark = pytest.mark.usefixtures("ebpf")
 
@@ -51,12 +51,6 @@ def fill(folder: Path) -> Path:
     return filler
 
 
-def _summary(out: Path) -> dict | None:
-    try:
-        return load_summary(out)
-    except (ValueError, FileNotFoundError):
-        return None
-
 
 @pytest.mark.long(reason='a disk full for a while and free again, with a job measured throughout')
 def test_full_disk_keeps_measuring_says_so_once_and_writes_everything_once_space_returns(
@@ -66,7 +60,7 @@ def test_full_disk_keeps_measuring_says_so_once_and_writes_everything_once_space
     out = small_fs / "out"
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out),
                        "--log-interval", "5")
-    wait_for(lambda: (s := _summary(out)) and s["session_info"]["total_iterations"] > 5,
+    wait_for(lambda: (s := summary_so_far(out)) and s["session_info"]["total_iterations"] > 5,
              30, "the first summary")
     # The log's last tmpfs page has room for what a slow day's job logs in a few
     # seconds (one run wrote nothing past it in 8 s): keep the disk full until the
@@ -77,7 +71,7 @@ def test_full_disk_keeps_measuring_says_so_once_and_writes_everything_once_space
     rate = (log.stat().st_size - size) / (time.monotonic() - started)
     filler = fill(small_fs)
     time.sleep(min(60.0, max(8.0, 3 * 4096 / max(rate, 1.0))))  # (and a summary try)
-    during = _summary(out)  # the last good summary stays in place, whole
+    during = summary_so_far(out)  # the last good summary stays in place, whole
     assert during is not None and during["session_info"]["end_time"] is None
     filler.unlink()
     time.sleep(7)  # the summary is rewritten at most every 5 s
@@ -107,7 +101,7 @@ def test_output_that_stays_unwritable_ends_with_exit_7_naming_the_file(
     out = small_fs / "out"
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out),
                        "--duration", "6")
-    wait_for(lambda: _summary(out), 30, "the first summary")
+    wait_for(lambda: summary_so_far(out), 30, "the first summary")
     # (A filesystem cannot be remounted read-only under a file open for writing, so
     # a full one stands for every refusing disk; EROFS, EIO and EDQUOT take the same path.)
     fill(small_fs)
@@ -118,7 +112,7 @@ def test_output_that_stays_unwritable_ends_with_exit_7_naming_the_file(
     last = err.strip().splitlines()[-1]
     assert last.startswith("perfmon-agent: error: output not writable: ")
     assert "perf_summary_" in last and reason in last
-    assert _summary(out) is not None  # the last good summary is still there
+    assert summary_so_far(out) is not None  # the last good summary is still there
 
 
 def test_unwritable_output_dir_is_refused_before_anything_attaches(
@@ -182,7 +176,7 @@ def test_live_thinned_summary_equals_the_one_rebuilt_from_its_log(steady_target,
 def test_sighup_ends_the_session_like_sigterm(steady_target, agent, out_dir, signum):
     target = steady_target
     proc = agent.start("attach", "--pid", str(target.pid), "--output-dir", str(out_dir))
-    wait_for(lambda: (s := _summary(out_dir)) and s["session_info"]["total_iterations"] > 10,
+    wait_for(lambda: (s := summary_so_far(out_dir)) and s["session_info"]["total_iterations"] > 10,
              30, "iterations in the live summary")
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)

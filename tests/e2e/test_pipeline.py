@@ -128,19 +128,21 @@ def _stamped_bubble(truth: dict[int, Truth]) -> float:
 def _own_outlier(stamps_dir: Path, rank: int, mate: int, info: dict) -> bool | None:
     """Whether ``rank``'s compute stands out of ``mate``'s by StragglerRule's bar, by the
     job's own stamps in the session (each step's time less its waits): its median excess
-    over k spreads of the mate's, a share of it, and a floor. None within half the bar
-    to twice it, where the agent's windows of the same steps may judge either way."""
-    def computes(r: int) -> list[float]:
+    over the rule's bar (k spreads of the mate's compute, at least a share of its step).
+    None within half the bar to twice it, where the agent's windows of the same steps may
+    judge either way."""
+    def steps(r: int) -> list[tuple[float, float]]:
+        """(step, compute) ms of each of ``r``'s steps in the session."""
         rows = [json.loads(line) for line in (stamps_dir / f"rank{r}.jsonl").read_text()
                 .splitlines() if line]
-        return [(b["end_ns"] - a["end_ns"] - b["p2p_wait_ns"] - b["allreduce_ns"]) / 1e6
+        return [((b["end_ns"] - a["end_ns"]) / 1e6,
+                 (b["end_ns"] - a["end_ns"] - b["p2p_wait_ns"] - b["allreduce_ns"]) / 1e6)
                 for a, b in pairwise(rows) if a["end_ns"] >= info["attach_monotonic_ns"]
                 and b["end_ns"] <= info["detach_monotonic_ns"]]
-    mine, theirs = computes(rank), computes(mate)
-    centre = statistics.median(theirs)
-    spread = 1.4826 * statistics.median(abs(c - centre) for c in theirs)
-    rule = StragglerRule()
-    bar = max(rule.k * spread, rule.min_share * centre, rule.min_ms)
+    mine, theirs = [c for _, c in steps(rank)], steps(mate)
+    centre = statistics.median(c for _, c in theirs)
+    spread = 1.4826 * statistics.median(abs(c - centre) for _, c in theirs)
+    bar = StragglerRule().bar(spread, statistics.median(s for s, _ in theirs))
     excess = statistics.median(mine) - centre
     return True if excess > 2 * bar else False if excess < bar / 2 else None
 

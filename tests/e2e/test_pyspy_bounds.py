@@ -22,6 +22,7 @@ import pytest
 from perfmon.parsers.pyspy import KEEP_FRAMES
 from perfmon.probes.pyspy_process import run_pyspy
 
+from tests.conftest import summary_so_far
 from tests.e2e.test_security import ordinary_user
 
 DEEP_STACKS = Path(__file__).resolve().parents[1] / "targets" / "deep_stacks.py"
@@ -47,14 +48,10 @@ CUT = ("windows_cut", "dumps_cut", "stacks_cut", "names_cut")
 
 def _all_cut(out: Path) -> bool:
     """Whether the summary so far says py-spy's windows, dumps, stacks and names were cut."""
-    for path in out.glob("perf_summary_*.json"):
-        try:
-            pyspy = json.loads(path.read_text())["final_statistics"]["data_quality"][
-                "sources"]["pyspy"]
-        except (OSError, ValueError, KeyError):
-            return False
-        return all(pyspy.get(c) for c in CUT)
-    return False
+    summary = summary_so_far(out)
+    pyspy = (summary or {}).get("final_statistics", {}).get("data_quality", {}).get(
+        "sources", {}).get("pyspy", {})
+    return all(pyspy.get(c) for c in CUT)
 
 
 def _peak_rss_kib(pid: int) -> int:
