@@ -127,7 +127,7 @@ test: setup setup-test-system
 	[ $$rest -eq 0 ] && [ $$timing -eq 0 ]
 
 # tests/unit holds the tests that start no process (no agent, no training job, no eBPF):
-# about 40 s on 2 cores; the few marked slow are left to `make test`.
+# about 25 s on 2 workers; the few marked slow (5 s or more each) are left to `make test`.
 test-fast:
 	@$(PY) -c "import pytest, hypothesis, perfmon.agent" 2>/dev/null || { echo \
 	  "test-fast: $(PY) lacks the test tools: run make test once, or make setup-venv and then $(PY) -m pip install -e '.[demo,test]'"; \

@@ -183,6 +183,7 @@ def _close(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.slow  # (5-8 s: make test runs it; make test-fast stays quick)
 @settings(max_examples=200, deadline=None)
 @given(_intervals)
 def test_an_interval_survives_render_the_schema_and_parse(figures: IntervalFigures) -> None:
@@ -208,6 +209,7 @@ _goodputs = st.builds(
     job=st.one_of(st.none(), st.builds(GoodputLedger, **_ledger_fields)))
 
 
+@pytest.mark.slow  # (5-8 s: make test runs it; make test-fast stays quick)
 @settings(max_examples=100, deadline=None)
 @given(st.builds(Statistics, step_s=_numbers, flops_per_gpu=_numbers,
                  peak_memory_bytes=_numbers, gpu_utilization=st.one_of(

@@ -264,6 +264,7 @@ def _dump(threads: int, depth: int, name_length: int, locals_per_frame: int) -> 
     return json.dumps(doc, indent=2).encode()
 
 
+@pytest.mark.slow  # (5-8 s: make test runs it; make test-fast stays quick)
 @settings(max_examples=30, deadline=None)
 @given(threads=st.integers(1, MAX_THREADS + 4), depth=st.integers(1, 400),
        name_length=st.integers(8, 700), locals_per_frame=st.sampled_from([0, 2, 300]))

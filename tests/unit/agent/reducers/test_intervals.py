@@ -6,11 +6,13 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pytest
 from perfmon.agent.record.replay import rebuild_from_event_log
 
 from tests import eventlogs
 
 
+@pytest.mark.slow  # (5-8 s: make test runs it; make test-fast stays quick)
 def test_iteration_logs_are_thinned_evenly_and_marked_beyond_the_limit(tmp_path: Path):
     log = eventlogs.write_log(tmp_path / "perf_events_x.msgpack", 30_001, log_interval=10,
                               max_log_entries=100)

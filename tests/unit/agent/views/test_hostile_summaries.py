@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from perfmon.agent import console
 from perfmon.agent.record.runs import read_summary_run
 from perfmon.agent.record.summary import read_summary
@@ -92,6 +93,7 @@ def _documents() -> dict[str, dict[str, Any]]:
     return docs
 
 
+@pytest.mark.slow  # (5-8 s: make test runs it; make test-fast stays quick)
 def test_documents_with_every_field_at_its_edges_or_unknown_render_in_every_view(
         tmp_path: Path) -> None:
     failures = []
