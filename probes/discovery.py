@@ -7,8 +7,10 @@ them are Python (the executable's name) and which of those have PyTorch mapped
 (/proc/PID/maps), and, for those, the few job variables of their environment
 (perfmon.probes.procfs.ENVIRON_KEYS). For the Python processes with PyTorch of a
 tree that holds more than one, what says which of them train: the names of
-their threads (/proc/PID/task/TID/comm) and, where those do not tell, their main
-thread's CPU time (/proc/PID/schedstat) between two scans. Cost: one stat read
+their threads (/proc/PID/task/TID/comm) and, where those do not tell, the CPU their
+main thread wanted between two scans (/proc/PID/schedstat: its time on a CPU and its
+time runnable, waiting for one: a busy process on a loaded node gets a small share of a
+core but wants the rest). Cost: one stat read
 per process per scan; an executable's name once per process; maps once per
 Python process that has PyTorch, and with a back-off (at most once a minute) for
 those that have not loaded it yet; environments once per process; thread names
@@ -96,7 +98,7 @@ class _Known:
     container: tuple[procfs.ContainerIds, str | None] | None = None  # (ids, pid ns)
     # Why it trains, once seen ("threads", "busy", "data workers"): never asked again.
     trains: str | None = None
-    cpu: tuple[float, int] | None = None  # (boot-clock s, main thread CPU ns) last read
+    cpu: tuple[float, int] | None = None  # (boot-clock s, main thread CPU + run-queue ns)
     launched_s: float | None = None  # (boot-clock s) last seen launching ranks
 
 
@@ -237,8 +239,10 @@ class Snapshot:
             entry.launched_s = time.clock_gettime(time.CLOCK_BOOTTIME)
 
     def busy(self, pid: int, since_s: float) -> bool | None:
-        """Whether its main thread was busy (``BUSY_SHARE`` of a core) between the last
-        look and now, when the last look came after ``since_s`` (seconds after boot);
+        """Whether its main thread was busy (wanted ``BUSY_SHARE`` of a core: on a CPU or
+        runnable, waiting for one, so that a node's load does not make a busy rank look
+        idle) between the last look and now, when the last look came after ``since_s``
+        (seconds after boot);
         None while no such window is known yet. Busy once is kept. Where its CPU time
         cannot be read (no schedstat), True: it is taken as training."""
         entry = self._entry(pid)
@@ -254,10 +258,10 @@ class Snapshot:
         previous = entry.cpu
         if previous is not None and now_s - previous[0] < MIN_BUSY_WINDOW_S:
             return None  # (looked at a moment ago: the window is too short to tell)
-        entry.cpu = (now_s, sample[0])
+        entry.cpu = (now_s, sample[0] + sample[1])
         if previous is None or previous[0] < since_s:
             return None
-        share = (sample[0] - previous[1]) / 1e9 / (now_s - previous[0])
+        share = (entry.cpu[1] - previous[1]) / 1e9 / (now_s - previous[0])
         if share >= BUSY_SHARE:
             entry.trains = "busy"
             return True
