@@ -267,10 +267,13 @@ def test_outputs_that_are_a_fifo_or_a_link_to_a_root_only_file_are_never_read(
         with open(link, "ab") as stdout, open(fifo, "wb") as stderr:
             rank = start_rank("cuda-oom", 0, stdout=stdout, stderr=stderr, folder=job_home,
                               prefix=tuple(as_job_user(job_user)))
+        rank.wait_ready()  # (its start-up, importing PyTorch, is not the source's)
         began = time.monotonic()
         source = started_source([rank])
         try:
-            assert time.monotonic() - began < 10  # neither output blocked the start
+            # Neither output blocked the start: the job writes nothing to either until
+            # go(), so a read or open that blocked would block for good.
+            assert time.monotonic() - began < 10
             # A file the job's user may not read is a warning; a pipe, a note.
             assert f"not read for exit causes (Permission denied): pid {rank.pid} stdout" \
                 in " | ".join(source.warnings)
