@@ -83,7 +83,7 @@ def _mono_start(pid: int) -> int:
 def _job_pid(agent_pid: int) -> int:
     def find() -> int | None:
         return next((c.pid for c in psutil.Process(agent_pid).children(recursive=True)
-                     if str(TRAIN_GPT) in " ".join(c.cmdline())), None)
+                     if str(TRAIN_GPT) in " ".join(_cmdline(c))), None)
     return wait_for(find, 60, "the job's process")
 
 
@@ -330,12 +330,21 @@ def _start_restarted_job(agent: Agent, folder: Path) -> tuple[subprocess.Popen, 
     return proc, Target(proc, stamps), folder
 
 
+def _cmdline(process: psutil.Process) -> list[str]:
+    """Its command line; none for a child that has exited meanwhile (a zombie's is
+    unreadable: a short-lived helper of torchrun or the agent, seen in a CI run)."""
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _kill_and_restart(proc: subprocess.Popen, job: Target, folder: Path) -> Restarted:
     """Rank 1 killed after 130 iterations; torchrun restarts it (--max-restarts) from the
     last checkpoint, and the job finishes."""
     job.wait_for_iterations(2 * 130, timeout_s=120)  # (both ranks stamp each iteration)
     ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
-             if str(TRAIN_GPT) in " ".join(c.cmdline())]
+             if str(TRAIN_GPT) in " ".join(_cmdline(c))]
     victim = next(r for r in ranks if r.environ().get("RANK") == "1")
     killed_at = max(t for _, t in job.timestamps())
     last_before = max(i for i, _ in job.timestamps())
