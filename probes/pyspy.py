@@ -87,7 +87,11 @@ SETTLE_TIMEOUT_S = 2.0  # py-spy writes a 1 s window's file within ~0.1 s of SIG
 # a uprobe on py-spy 0.4.3's Chrometrace::increment (docs/pyspy.md): median
 # 1.0-1.8 ms on an idle or busy 2-core host, up to ~13 ms when saturated.
 PYSPY_STARTUP_NS = 1_000_000
-_DUMP_ATTEMPTS = 3
+# A non-blocking dump races the running target ("Failed to get stack traces"): ~1 in 50
+# on a busy host, most of them in a row while the job rewrites deep stacks (a job 950
+# frames deep in 65 threads, climbing out and down every 2 s, failed three dumps in a row
+# with no pause between). The tries are spread over ~4 s, within the dump's timeout.
+_DUMP_RETRY_PAUSES_S = (0.2, 0.5, 1.0, 2.0)
 # py-spy record holds a whole window in memory before writing it, ~3.6 times the file
 # it then writes: a record process grown past this is killed (its window counted as
 # cut), as its file would be over WINDOW_MAX_BYTES. Normal: ~7 MB at 200 Hz; a job of
@@ -114,6 +118,8 @@ def dump_stacks(
     a large libtorch, most of it reading symbols before the pause). ``cancel``:
     when set (from another thread), the dump is killed within 0.1 s (py-spy's
     death detaches it from a paused target, which goes on).
+    A dump that fails as one racing the running target does is tried again, up to four
+    times over ~4 s within ``timeout_s`` (_DUMP_RETRY_PAUSES_S).
     Raises PrerequisiteMissing, PrivilegeError, NoSuchProcess, UnsuitableTarget
     or ProbeError (including a dump that outlives ``timeout_s`` or is cancelled).
     """
@@ -121,7 +127,7 @@ def dump_stacks(
     args += ["--native"] if native else ["--nonblocking"]
     args += ["--locals"] if locals_ else []
     deadline = time.monotonic() + timeout_s
-    for attempt in range(_DUMP_ATTEMPTS):
+    for pause_s in (*_DUMP_RETRY_PAUSES_S, None):
         try:
             done = run_pyspy(args, max(0.1, deadline - time.monotonic()), cancel)
         except subprocess.TimeoutExpired as err:
@@ -139,11 +145,13 @@ def dump_stacks(
                 error: ProbeError = ProbeError(f"pid {pid}: {err}")
         else:
             error = pyspy_failure(pid, done.stderr, "dump")
-        # A non-blocking read races the running target ("Failed to get stack
-        # traces", ~1 in 50 on a busy host): that is worth another try; a
-        # missing process or privilege is not.
-        if type(error) is not ProbeError or attempt == _DUMP_ATTEMPTS - 1:
+        # A race with the running target is worth another try (_DUMP_RETRY_PAUSES_S);
+        # a missing process or privilege is not.
+        if (type(error) is not ProbeError or pause_s is None
+                or time.monotonic() + pause_s >= deadline):
             break
+        if (cancel if cancel is not None else threading.Event()).wait(pause_s):
+            raise ProbeError(f"pid {pid}: py-spy dump was cancelled")
     raise error
 
 
