@@ -36,7 +36,7 @@ DEVICE_JOB = ("--num-layers", "1", "--hidden-size", "64", "--seq-length", "16",
 SUMMARY_SCHEMA = json.loads((ROOT / "parsers" / "data" / "perf_summary.schema.json").read_text())
 
 
-# The files whose tests judge a job's timing (its pace, waits, stalls, stragglers,
+# The files of tests/e2e whose tests judge a job's timing (its pace, waits, stalls, stragglers,
 # sampled steps) against its own clock with margins made for a machine of moderate load:
 # `make test` runs them apart (pytest.mark.timing), one at a time, after the rest (four
 # at a time): beside three other workers on 2 cores (a load of 8-9) their jobs and
@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests stay together, so its module-scoped jobs start once. The timing files' tests
     are marked timing."""
     for item in items:
-        if item.path.name in TIMING_FILES:
+        if item.path.name in TIMING_FILES and item.path.parent.name == "e2e":
             item.add_marker(pytest.mark.timing)
     long_files = {item.path for item in items if item.get_closest_marker("long")}
     items.sort(key=lambda item: item.path not in long_files)
