@@ -12,7 +12,8 @@ iterations. What every iteration is sure to show, in order of preference:
    sees the counter at the same point of the loop relative to the boundaries,
    wherever the loop increments it, so the comparison is exact.
    Between two such reads, ends the samples missed are added (in the longest
-   gaps) and extra ones removed (the shortest), so the count matches.
+   gaps, as many as they have room for) and extra ones removed (the shortest), so
+   the count matches.
 2. ``phase_transitions``: the end of each run of backward samples (backward is
    long: tens of milliseconds and more at steps of >= 100 ms), one per
    micro-batch; with gradient accumulation, every M-th is an iteration end, M
@@ -436,7 +437,15 @@ class SampledIterationClock:
         previous = (self._held[first - 1][0] if first > 0
                     else self._last_emitted if self._last_emitted is not None else lo)
         edges = [previous, *times]
-        for _ in range(max(0, missing)):
+        # Ends are added only where the samples have room for them: a gap about k steps
+        # long can hide k - 1. A count the gaps cannot explain is not the samples'
+        # miss: in CI a compare found 12 fewer ends than the counter where every gap was
+        # one step long, and the midpoints put in doubled 12 steps of ~90.
+        usual = statistics.median(b - a for a, b in itertools.pairwise(edges)) if len(
+            edges) > 1 else 0
+        room = sum(max(0, round((b - a) / usual) - 1)
+                   for a, b in itertools.pairwise(edges)) if usual > 0 else 0
+        for _ in range(max(0, min(missing, room))):
             gaps = [(edges[i + 1] - edges[i], i) for i in range(len(edges) - 1)]
             _, i = max(gaps)
             edges.insert(i + 1, (edges[i] + edges[i + 1]) // 2)
