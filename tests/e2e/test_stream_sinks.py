@@ -69,6 +69,12 @@ def test_metrics_take_the_typed_figures_and_agree_with_the_summary(
     assert value(s, "perfmon_memory_bytes", rank=f"pid:{steady_target.pid}", kind="rss",
                  **JOB) == pytest.approx(stats["ranks"][0]["peak_rss_gb"] * GIB)
     assert value(s, "perfmon_hung", **JOB) == 0
+    # Lost seconds are counters: a cause recognised later moves seconds out of
+    # unexplained in the summary, while the counter keeps the most it has been given.
     lost = summary["final_statistics"]["goodput"]["lost_seconds"]
+    ledgers = [st.goodput.of_job for st in kinds["statistics"]
+               if st.goodput is not None and st.goodput.of_job is not None]
     for cause, seconds in lost.items():
-        assert value(s, "perfmon_lost_seconds_total", cause=cause, **JOB) == seconds
+        most = max(ledger.lost_s.get(cause) or 0.0 for ledger in ledgers)
+        assert most >= seconds
+        assert value(s, "perfmon_lost_seconds_total", cause=cause, **JOB) == most
