@@ -103,8 +103,15 @@ def test_a_rank_slowed_in_its_compute_is_named_the_straggler_with_its_delay(
                 / sum(e[rank]["iterations"] for e in entries))
 
     excess = mean_ms(1, "avg_compute_ms") - mean_ms(0, "avg_compute_ms")
-    assert excess == pytest.approx(episode["delay_ms_per_step"], rel=0.2), entries
     assert mean_ms(0, "avg_wait_ms") - mean_ms(1, "avg_wait_ms") == pytest.approx(excess, rel=0.1)
+    # The delay is a median over the episode's evaluations (docs/stragglers.md), and so is
+    # its check: the median of the intervals' excess compute since the episode began. (A
+    # mean since the onset is not the same figure where contention moves: in a suite run
+    # rank 1's excess was 20-35 ms for its first 9 s and 12-20 after, mean 21.2 against a
+    # median of 17.4 and a delay of 16.5.)
+    during = [e for e in entries if e[1]["straggler"]]
+    assert statistics.median(e[1]["avg_compute_ms"] - e[0]["avg_compute_ms"] for e in during
+                             ) == pytest.approx(episode["delay_ms_per_step"], rel=0.2), entries
     for r in stats["ranks"]:
         assert r["avg_wait_ms"] + r["avg_compute_ms"] == pytest.approx(r["avg_step_time_ms"])
     # An incident bundle for it: both ranks' stacks, their iterations around it, a trace.
