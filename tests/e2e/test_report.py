@@ -180,24 +180,25 @@ def test_the_console_check_sees_a_script_error(tmp_path: Path):
 
 @pytest.mark.long(reason='a run long enough to be downsampled')
 def test_a_long_run_is_downsampled_and_says_so(tmp_path: Path):
-    log = eventlogs.write_log(tmp_path / "perf_events_long.msgpack", 50_000)
+    log = eventlogs.write_log(tmp_path / "perf_events_long.msgpack", 25_000)
     page_path = tmp_path / "long.html"
     done = _report(str(log), "-o", str(page_path), "--json", timeout_s=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     (down,) = result["downsampled"]
-    # 49,999 measured iterations in entries of 10: 4,999 intervals.
-    assert down["intervals"] == 4_999
-    assert down["points"] <= 2000 and down["stride"] == 4
-    assert down["points"] == -(-4_999 // 4)
+    # 24,999 measured iterations in entries of 10: 2,499 intervals, over the 2,000 points
+    # a chart is drawn with.
+    assert down["intervals"] == 2_499
+    assert down["points"] <= 2000 and down["stride"] == 2
+    assert down["points"] == -(-2_499 // 2)
     page = page_path.read_text()
     assert len(page.encode()) < 3 << 20 and result["bytes"] == len(page.encode())
     note = re.search(r'<p class="note" id="downsampling">(.*?)</p>', page, re.S)
     assert note is not None
-    assert (f"Downsampled: 4,999 log intervals (49,990 iterations) are drawn as "
-            f"{down['points']:,} points, each the mean of 4 consecutive intervals") in note[1]
+    assert (f"Downsampled: 2,499 log intervals (24,990 iterations) are drawn as "
+            f"{down['points']:,} points, each the mean of 2 consecutive intervals") in note[1]
     # The table covers every iteration: 100 ms steps, all of them.
-    assert "<td>100.00 ms</td>" in page and "50,000 ended, 49,999 measured" in page
+    assert "<td>100.00 ms</td>" in page and "25,000 ended, 24,999 measured" in page
 
 
 def shifted(records: Iterator[dict[str, Any]], *, pid_shift: int = 0, host: str = "node-1",
