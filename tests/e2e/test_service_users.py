@@ -338,17 +338,18 @@ def uprobe_events(pid: int) -> list[str]:
 
 def test_short_lived_processes_leave_no_uprobe_event_behind(
         bob: UserJobs, tmp_path: Path) -> None:
-    """200 processes of an ordinary user that map libtorch and exit 0.3-5 s later, many of
+    """100 processes of an ordinary user that map libtorch and exit 0.3-5 s later, many of
     them while the service attaches (libbcc then makes a tracefs event it never removes):
-    once the service stops, no uprobe event of its own is left."""
+    once the service stops, no uprobe event of its own is left (ten waves of ten, each
+    wave's exits meeting the attaches of the wave before)."""
     svc = Service(tmp_path, scan_interval_s=0.5, max_jobs=32, max_jobs_per_user=32)
     try:
         wait_for(lambda: "READY=1" in svc.received() or svc.proc.poll() is not None, 30,
                  "READY=1")
         assert svc.proc.poll() is None, svc.log()
         started_s, cpu = time.monotonic(), psutil.Process(svc.proc.pid).cpu_times()
-        lifetimes = [0.3 + 4.7 * ((i * 37) % 100) / 100 for i in range(200)]
-        for wave in range(0, 200, 10):
+        lifetimes = [0.3 + 4.7 * ((i * 37) % 100) / 100 for i in range(100)]
+        for wave in range(0, 100, 10):
             for seconds in lifetimes[wave:wave + 10]:
                 bob.fake(seconds)
             time.sleep(1.5)
