@@ -218,7 +218,7 @@ def test_serve_finds_an_ordinary_users_mp_spawn_job_and_its_two_children_are_the
         port = free_port()
         stamps = user.home / "stamps"
         parent = user.start([sys.executable, str(TRAIN_SPAWN), "--nprocs", "2", "--dist",
-                             "--train-iters", "2500", "--port", str(port), "--timestamps",
+                             "--train-iters", "1000", "--port", str(port), "--timestamps",
                              str(stamps), "--setup-s", str(setup_s), "--tag", TAG])
         pids = wait_for(lambda: [int(Path(f"{stamps}.{i}.pid").read_text()) for i in (0, 1)]
                         if all(Path(f"{stamps}.{i}.pid").exists() for i in (0, 1)) else None,
@@ -271,7 +271,7 @@ def test_run_watches_the_children_once_a_parent_watched_alone_spawns_them(
     done = agent.run("run", "--output-dir", str(out_dir), "--metrics-address", "off",
                      "--no-stack-sampling", "--wait-probe-budget", "0", "--",
                      sys.executable, str(TRAIN_SPAWN),
-                     "--nprocs", "2", "--dist", "--setup-s", "4", "--train-iters", "1500",
+                     "--nprocs", "2", "--dist", "--setup-s", "4", "--train-iters", "800",
                      "--port", str(free_port()), "--timestamps", str(stamps),
                      timeout_s=240)
     assert done.returncode == 0, done.stderr
