@@ -377,6 +377,8 @@ def test_a_killed_rank_restarted_by_torchrun_is_a_restart_in_the_jobs_ledger(
     redone = run.last_before - resumed_from
     truth_s = (min(after.values()) - run.killed_at - healthy + redone * healthy) / 1e9
     assert 0 < redone <= 50
+    print(f"restart: {job_ledger['lost_seconds']['restart']:.2f} s lost by the ledger, "
+          f"{truth_s:.2f} s by the job's own clock ({redone} iterations redone)")
     assert job_ledger["lost_seconds"]["restart"] == pytest.approx(truth_s, rel=0.1), (
         job_ledger, truth_s, redone)
     assert second["session_info"]["job_before"]["last_job_iteration"] is not None
