@@ -38,15 +38,18 @@ SUMMARY_SCHEMA = json.loads((ROOT / "parsers" / "data" / "perf_summary.schema.js
 
 # The files of tests/e2e whose tests judge a job's timing (its pace, waits, stalls, stragglers,
 # sampled steps) against its own clock with margins made for a machine of moderate load:
-# `make test` runs them apart (pytest.mark.timing), one at a time, after the rest (four
+# `make test` runs them apart (pytest.mark.timing), two at a time, after the rest (four
 # at a time): beside three other workers on 2 cores (a load of 8-9) their jobs and
 # agents were starved of CPU past those margins (an attach 17 s late, ring buffers
 # overflowing, py-spy windows late), in 5 of every 850 tests a run.
-TIMING_FILES = frozenset({
-    "test_fail_slow.py", "test_goodput_jobs.py", "test_pipeline.py", "test_stragglers.py",
-    "test_update_clocks.py", "test_pyspy_bounds.py", "test_service_memory.py",
-    "test_attach_stacks.py", "test_pyspy_sampler.py", "test_cuda_probe.py",
-    "test_collective_waits.py", "test_multihost.py", "test_attach_gpu.py"})
+# Each with its seconds, one at a time on an idle machine (2026-12-07): the longest start
+# first, so the two workers end together.
+TIMING_FILES = {
+    "test_fail_slow.py": 184, "test_goodput_jobs.py": 134, "test_pipeline.py": 127,
+    "test_attach_stacks.py": 127, "test_update_clocks.py": 115, "test_attach_gpu.py": 63,
+    "test_collective_waits.py": 59, "test_pyspy_sampler.py": 51, "test_multihost.py": 40,
+    "test_stragglers.py": 39, "test_service_memory.py": 34, "test_pyspy_bounds.py": 33,
+    "test_cuda_probe.py": 26}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,15 +59,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files with a long test first (pytest.mark.long): each runs whole on one worker
-    (--dist loadfile), and a long one started last would be the run's tail. A file's
-    tests stay together, so its module-scoped jobs start once. The timing files' tests
-    are marked timing."""
+    """The timing files longest first, then the files with a long test (pytest.mark.long):
+    each runs whole on one worker (--dist loadfile), and a long one started last would be
+    the run's tail. A file's tests stay together, so its module-scoped jobs start once.
+    The timing files' tests are marked timing."""
+    timing_s = {}
     for item in items:
         if item.path.name in TIMING_FILES and item.path.parent.name == "e2e":
             item.add_marker(pytest.mark.timing)
+            timing_s[item.path] = TIMING_FILES[item.path.name]
     long_files = {item.path for item in items if item.get_closest_marker("long")}
-    items.sort(key=lambda item: item.path not in long_files)
+    items.sort(key=lambda item: (-timing_s.get(item.path, 0), item.path not in long_files))
 
 
 @pytest.fixture(scope="session")

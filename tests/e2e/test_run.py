@@ -49,10 +49,12 @@ def test_torchrun_job_exits_0_and_both_ranks_are_watched_from_their_first_iterat
 def test_a_job_slow_from_its_first_iteration_gets_no_fail_slow_event_from_its_warm_up(
         agent, out_dir: Path, tmp_path: Path) -> None:
     """Watched from its first iteration, a job's warm-up (its first, slower steps) is no
-    baseline, and a job that computes slowly all along is measured at its own pace."""
+    baseline, and a job slow all along (40 ms more a step, waited as for a slow device) is
+    measured at its own pace."""
     stamps = tmp_path / "stamps.txt"
     done = run_agent(agent, out_dir, sys.executable, str(TRAIN_GPT), "--train-iters", "400",
-                     "--slow-ranks", "all", "--slow-ms", "40", "--timestamps", str(stamps))
+                     "--slow-ranks", "all", "--slow-ms", "40", "--slow-wait",
+                     "--timestamps", str(stamps))
     assert done.returncode == 0, done.stderr
     summary = load_summary(out_dir)
     assert summary["session_info"]["total_iterations"] == 400
