@@ -425,7 +425,7 @@ class FailSlow:
             before_step_s=before / 1e9, after_step_s=after / 1e9, change=after / before - 1,
             baseline_step_s=self.baseline / 1e9, vs_baseline=math.expm1(above),
             min_shift=math.expm1(threshold), drift=drift,
-            ranks=self._ranks(before_from, change_ns))
+            ranks=self._ranks(before_from, change_ns, rising=after > before))
         self.events.append(event)
         self._sides.append((before_from, self._blocks[start][1]))
         if len(self.events) > MAX_EVENTS:
@@ -438,7 +438,8 @@ class FailSlow:
             self._healthy.clear()
         self._at_pace(after, recent)
 
-    def _ranks(self, before_from: int, change_ns: int) -> tuple[RankShift, ...]:
+    def _ranks(self, before_from: int, change_ns: int, rising: bool,
+               ) -> tuple[RankShift, ...]:
         """Each rank's compute and wait before and after the change (its recent ends)."""
         if self.ranks is None:
             return ()
@@ -456,15 +457,8 @@ class FailSlow:
             out.append(RankShift(r.pid, r.rank, (mean_s(before, True), mean_s(after, True)),
                                  (mean_s(before, False), mean_s(after, False)),
                                  stage=self.ranks.stage(r)))
-        if not out:
-            return ()
-        rise = max(o.compute_s[1] - o.compute_s[0] for o in out)
+        return mark_moved(out, rising)
 
-        def moved(o: RankShift) -> bool:
-            delta = o.compute_s[1] - o.compute_s[0]
-            return abs(delta) >= 0.5 * abs(rise) and abs(delta) >= 0.5e-3
-
-        return tuple(replace(o, moved=moved(o)) for o in out)
 
     def resolve(self, entries: list[IntervalFigures], final: bool) -> None:
         """Fill in the phases and interval fields that moved, from the logged intervals on
@@ -563,3 +557,15 @@ def _moved_state(before: list[IntervalFigures], after: list[IntervalFigures]
         if a is not None and b is not None and abs(a - b) > 0.1 * max(abs(b), 1e-9):
             out[key] = [b * per_si, a * per_si]
     return dict(sorted(out.items()))
+
+
+def mark_moved(shifts: list[RankShift], rising: bool) -> tuple[RankShift, ...]:
+    """``moved``: the ranks whose compute changed the way the step did (up for a slowdown,
+    down for a recovery) by at least half the largest such change and 0.5 ms. A rank whose
+    compute went the other way did not move the step: on a loaded node a fast rank's
+    compute fell 13 ms (its cores freed) as a slowed rank's rose 9 ms, and both were named."""
+    sign = 1.0 if rising else -1.0
+    toward = [sign * (o.compute_s[1] - o.compute_s[0]) for o in shifts]
+    most = max(toward, default=0.0)
+    return tuple(replace(o, moved=d > 0 and d >= 0.5 * most and d >= 0.5e-3)
+                 for o, d in zip(shifts, toward, strict=True))

@@ -8,8 +8,10 @@ import random
 from typing import Any
 
 import pytest
-from perfmon.agent.reducers.failslow import FailSlow
-from perfmon.parsers.figures import render
+from hypothesis import given
+from hypothesis import strategies as st
+from perfmon.agent.reducers.failslow import FailSlow, mark_moved
+from perfmon.parsers.figures import RankShift, render
 
 MS = 1_000_000
 
@@ -189,3 +191,22 @@ def test_the_end_of_a_slowdown_on_a_node_whose_load_comes_and_goes_is_a_recovery
     # (the load 8 s busy for 4 s quiet: in one run of 40 the job came back at +3% for
     # every block of 10 s, a node busier than in the first seconds: `recovered_partly`)
     assert len(missed) <= (1 if busy_s > quiet_s else 0), missed
+
+
+@given(deltas_ms=st.lists(st.floats(-50, 50), min_size=1, max_size=16), rising=st.booleans(),
+       base_ms=st.floats(5, 500))
+def test_only_ranks_whose_compute_went_the_way_the_step_did_moved_it(deltas_ms, rising,
+                                                                    base_ms):
+    # Generated ranks whose compute changed by any amount either way: those marked moved
+    # went with the step (up for a slowdown, down for a recovery), by at least half the
+    # largest such change and 0.5 ms; the largest such is always marked. (On a loaded
+    # node a fast rank's compute fell 13 ms as a slowed rank's rose 9: both were named.)
+    shifts = [RankShift(100 + i, i, (base_ms / 1e3, (base_ms + d) / 1e3), (0.0, 0.0))
+              for i, d in enumerate(deltas_ms)]
+    marked = mark_moved(shifts, rising)
+    toward = [d if rising else -d for d in deltas_ms]
+    for o, d in zip(marked, toward, strict=True):
+        assert o.moved == (d >= max(0.5 * max(toward), 0.5) and d > 0) or abs(
+            d - max(0.5 * max(toward), 0.5)) < 1e-6
+    if max(toward) >= 0.5 + 1e-6:
+        assert marked[toward.index(max(toward))].moved
