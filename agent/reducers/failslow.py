@@ -459,7 +459,6 @@ class FailSlow:
                                  stage=self.ranks.stage(r)))
         return mark_moved(out, rising)
 
-
     def resolve(self, entries: list[IntervalFigures], final: bool) -> None:
         """Fill in the phases and interval fields that moved, from the logged intervals on
         either side of each event: since the previous event up to the change, and from the
